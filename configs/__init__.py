@@ -1,0 +1,1 @@
+"""Presets: Python functions returning the root config."""

@@ -1,0 +1,1 @@
+"""tinyzero.data.preprocess."""

@@ -1,0 +1,1 @@
+"""tinyzero.single_controller."""
