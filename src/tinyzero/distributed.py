@@ -1,0 +1,118 @@
+"""Process-group setup from the torchrun environment, device choice and seeding.
+
+Under `torchrun --nproc_per_node N train.py ...` every process reads RANK / WORLD_SIZE /
+LOCAL_RANK from the environment; under plain `python train.py` the program runs as a single
+process group of one (gloo on CPU, nccl on CUDA), so the same code path is used everywhere.
+This module is the only place that reads those variables.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "init_distributed",
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_device",
+    "device_type",
+    "backend_for_device",
+    "barrier",
+    "cleanup",
+    "set_seed",
+]
+
+
+def device_type() -> str:
+    """"cuda" when a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for_device(kind: str | None = None) -> str:
+    """nccl on CUDA, gloo elsewhere."""
+    return "nccl" if (kind or device_type()) == "cuda" else "gloo"
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_device() -> torch.device:
+    """One device per local rank: cuda:LOCAL_RANK on GPU machines, cpu otherwise."""
+    if device_type() == "cuda":
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 1800.0) -> None:
+    """Initialise the default process group from torchrun's environment, or as a group of one.
+
+    `timeout_s` bounds every collective: a rank that stops participating makes the others fail
+    after this long instead of hanging forever.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    kind = device_type()
+    if kind == "cuda":
+        torch.cuda.set_device(get_device())
+    # gloo for CPU tensors everywhere; on GPU nccl handles cuda tensors and gloo the CPU ones
+    # (object collectives, CPU state), as torchtitan does.
+    backend = "cuda:nccl,cpu:gloo" if kind == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def barrier(group=None) -> None:
+    if is_distributed():
+        dist.barrier(group=group)
+
+
+def cleanup() -> None:
+    """Destroy the default process group if one exists (safe to call twice)."""
+    if is_distributed():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown must not mask the original error
+            pass
+
+
+def set_seed(seed: int, rank_offset: bool = False) -> None:
+    """Seed python, numpy and torch (all devices); with rank_offset each rank gets seed + rank."""
+    if rank_offset:
+        seed = seed + get_rank()
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
