@@ -1,0 +1,100 @@
+"""Model and FSDP2 configuration (field names follow veRL's `actor_rollout_ref.model` / `fsdp_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass
+class ModelConfig:
+    """Where a model comes from and how it is instantiated (veRL: `actor_rollout_ref.model`)."""
+
+    path: str = ""
+    """Local folder of a HF model (config.json + safetensors). Nothing is downloaded."""
+    tokenizer_path: str = ""
+    """Folder of the tokenizer; empty means the same as `path`."""
+    trust_remote_code: bool = False
+    """Allow executing model / tokenizer code shipped inside the model folder. Off unless you trust it."""
+    dtype: str = "fp32"
+    """Dtype of the weights held by the training process ("fp32" keeps fp32 master weights; compute dtype
+    is set by `FSDPConfig.mixed_precision`). "auto": bf16 on GPU, fp32 on CPU."""
+    attn_implementation: str = "auto"
+    """HF attention kernel: "auto" picks flash_attention_2 on GPU when installed, else sdpa."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute decoder-layer activations in backward (activation checkpointing) to save memory."""
+    override_config: dict = field(default_factory=dict)
+    """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"model.dtype={self.dtype!r} is not one of {DTYPE_NAMES}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attn_implementation={self.attn_implementation!r} is not one of {ATTN_IMPLEMENTATIONS}"
+            )
+        if not isinstance(self.override_config, dict):
+            raise ValueError("model.override_config must be a mapping of config.json keys to values")
+
+    @property
+    def resolved_tokenizer_path(self) -> str:
+        """The folder the tokenizer is read from."""
+        return self.tokenizer_path or self.path
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """FSDP2 MixedPrecisionPolicy (veRL: `fsdp_config.mixed_precision`)."""
+
+    param_dtype: str = "auto"
+    """Dtype parameters are all-gathered in and compute runs in. "auto": bf16 on GPU, fp32 on CPU."""
+    reduce_dtype: str = "fp32"
+    """Dtype of the gradient reduce-scatter / all-reduce."""
+    output_dtype: str = "auto"
+    """Dtype the wrapped modules' outputs are cast to; "auto" leaves them as computed."""
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            if getattr(self, name) not in DTYPE_NAMES:
+                raise ValueError(f"fsdp_config.mixed_precision.{name}={getattr(self, name)!r} not in {DTYPE_NAMES}")
+
+
+@dataclass
+class FSDPConfig:
+    """How a model is sharded with FSDP2 `fully_shard` (veRL: `fsdp_config`)."""
+
+    fsdp_size: int = -1
+    """Ranks one copy of the model is sharded over. -1: all ranks of the pool (plain FSDP). A smaller
+    divisor of the pool size gives hybrid sharding: shard within groups of `fsdp_size` ranks, replicate
+    across the pool_size / fsdp_size groups (2-D mesh ("replicate", "shard"))."""
+    param_offload: bool = False
+    """Keep parameters (and gradients) on CPU between phases; loaded to the device for forward/backward.
+    With `offload_policy=True` FSDP2's CPUOffloadPolicy keeps them on CPU all the time instead."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU between optimizer steps (moved to the device for `step()`)."""
+    offload_policy: bool = False
+    """Use FSDP2's CPUOffloadPolicy: sharded params, grads and the optimizer step live on CPU; only the
+    all-gathered layer visits the device."""
+    reshard_after_forward: bool = True
+    """Free the all-gathered parameters after each layer's forward (ZeRO-3). False keeps them until
+    backward (ZeRO-2 style: more memory, fewer all-gathers)."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """Compute / reduce dtypes."""
+
+    def __post_init__(self):
+        if self.fsdp_size == 0 or self.fsdp_size < -1:
+            raise ValueError(f"fsdp_config.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive size")
+        if isinstance(self.mixed_precision, dict):
+            self.mixed_precision = MixedPrecisionConfig(**self.mixed_precision)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(replicate_size, shard_size) for a pool of `world_size` ranks."""
+        shard = world_size if self.fsdp_size in (-1, world_size) else self.fsdp_size
+        if shard > world_size or world_size % shard:
+            raise ValueError(
+                f"fsdp_config.fsdp_size={self.fsdp_size} must divide the pool size {world_size}; "
+                "set -1 to shard over all ranks"
+            )
+        return world_size // shard, shard

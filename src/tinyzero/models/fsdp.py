@@ -1,0 +1,265 @@
+"""FSDP2 (`fully_shard`) applied to a HF model from outside, plus init and offload helpers.
+
+    mesh = make_fsdp_mesh(fsdp_config, "cpu")                  # or the worker's pool mesh
+    model = load_sharded_model(model_config, fsdp_config, mesh) # meta init, rank 0 reads, broadcast
+    ...
+    offload_fsdp_model(model); offload_optimizer(optim)         # between phases (param_offload)
+    load_fsdp_model(model, device); load_optimizer(optim, device)
+
+Layout: every decoder layer is its own FSDP unit and the root (embeddings, final norm,
+lm_head / score head) is the last; a 1-D mesh shards over all its ranks, a 2-D mesh
+(replicate, shard) is hybrid sharding (HSDP): shard within dim 1, replicate across dim 0.
+Parameters stay fp32 (master weights); MixedPrecisionPolicy casts them to bf16 for compute
+on GPU and reduces gradients in fp32; on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tinyzero.models.config import FSDPConfig, ModelConfig
+from tinyzero.models.loading import check_model_path, load_model, pick_dtype
+
+_KINDS = ("causal_lm", "value", "reward")
+
+
+def make_fsdp_mesh(fsdp_config: FSDPConfig, device_type: str, world_size: int | None = None) -> DeviceMesh:
+    """Mesh over the whole world: 1-D ("fsdp",) or 2-D ("replicate", "shard") when fsdp_size < world."""
+    world_size = world_size or dist.get_world_size()
+    replicate, shard = fsdp_config.mesh_shape(world_size)
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a HF model (by its `_no_split_modules` classes, else a `layers` list)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    for m in model.modules():
+        for attr in ("layers", "h", "blocks"):
+            sub = getattr(m, attr, None)
+            if isinstance(sub, nn.ModuleList) and len(sub) > 0:
+                return list(sub)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+
+
+def mixed_precision_policy(fsdp_config: FSDPConfig, device_type: str) -> MixedPrecisionPolicy:
+    """bf16 compute / fp32 reduce on GPU by default; fp32 throughout on CPU."""
+    mp = fsdp_config.mixed_precision
+    param_dtype = pick_dtype(device_type, mp.param_dtype)
+    reduce_dtype = pick_dtype(device_type, mp.reduce_dtype)
+    output_dtype = None if mp.output_dtype == "auto" else pick_dtype(device_type, mp.output_dtype)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype,
+                                cast_forward_inputs=True)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant); keeps parameter names unchanged."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        return
+    raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; "
+                     "set model.enable_gradient_checkpointing=False")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
+                enable_gradient_checkpointing: bool = False) -> nn.Module:
+    """Apply fully_shard to every decoder layer and then the root; return the (same) model object."""
+    if enable_gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    mp_policy = mixed_precision_policy(fsdp_config, mesh.device_type)
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_config.offload_policy else OffloadPolicy()
+    )
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keep them gathered.
+        reshard = fsdp_config.reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_config.reshard_after_forward, mp_policy=mp_policy,
+                offload_policy=offload)
+    return model
+
+
+# --------------------------------------------------------------------------- meta init + broadcast
+
+
+def _is_mesh_source(mesh: DeviceMesh) -> bool:
+    return all(c == 0 for c in mesh.get_coordinate())
+
+
+def mesh_broadcast(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
+    """Broadcast `tensor` in place from mesh coordinate (0, ..., 0) to every rank of the mesh.
+
+    One broadcast per mesh dim, from the rank at local index 0 of that dim; dim d only runs on ranks whose
+    coordinates after d are all 0 (they already hold the data), so it works on any sub-mesh / pool group.
+    """
+    coord = mesh.get_coordinate()
+    for d in range(mesh.ndim):
+        if all(c == 0 for c in coord[d + 1:]) and mesh.size(d) > 1:
+            dist.broadcast(tensor, group=mesh.get_group(d), group_src=0)
+
+
+def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.device, dtype):
+    kwargs = dict(dtype=dtype, device=device, attn_implementation=model_config.attn_implementation,
+                  trust_remote_code=model_config.trust_remote_code, override_config=model_config.override_config)
+    if kind == "causal_lm":
+        return load_model(path, "causal_lm", **kwargs)
+    from tinyzero.models.value import load_reward_model, load_value_model
+
+    return (load_value_model if kind == "value" else load_reward_model)(path, **kwargs)
+
+
+@torch.no_grad()
+def broadcast_into_sharded(model: nn.Module, full_state: dict[str, torch.Tensor] | None, mesh: DeviceMesh) -> None:
+    """Fill a materialized FSDP2 model from a full state dict that only the mesh source rank holds.
+
+    Parameters go one tensor at a time: broadcast the full tensor over the mesh, keep the local shard.
+    Buffers (e.g. rotary inv_freq, not in checkpoints) are broadcast whole.
+    """
+    is_src = _is_mesh_source(mesh)
+    comm_device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    items = list(model.named_parameters()) + list(model.named_buffers())
+    for name, tensor in items:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        full_shape = tensor.shape
+        buf = torch.empty(full_shape, dtype=tensor.dtype, device=comm_device)
+        if is_src:
+            if name not in full_state:
+                raise ValueError(f"loaded model has no tensor {name!r} (architecture mismatch?)")
+            src = full_state[name]
+            if src.shape != full_shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(full_shape)}")
+            buf.copy_(src)
+        mesh_broadcast(buf, mesh)
+        if isinstance(tensor, DTensor):
+            shard = distribute_tensor(buf, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            local.copy_(shard)
+        else:
+            local.copy_(buf)
+
+
+def load_sharded_model(
+    model_config: ModelConfig,
+    fsdp_config: FSDPConfig,
+    mesh: DeviceMesh,
+    kind: str = "causal_lm",
+    dtype: str | torch.dtype | None = None,
+) -> nn.Module:
+    """Build `kind` ("causal_lm" | "value" | "reward") on the meta device, shard it, load weights.
+
+    Only the mesh source rank reads the weight files (on CPU); every tensor is broadcast over the
+    mesh and each rank keeps its shard, so N ranks never read the checkpoint N times.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind={kind!r}: use one of {_KINDS}")
+    path = check_model_path(model_config.path)
+    dtype = model_config.dtype if dtype is None else dtype
+    full_state = None
+    if _is_mesh_source(mesh):
+        full = _build(kind, path, model_config, "cpu", dtype)
+        full_state = dict(full.named_parameters()) | dict(full.named_buffers())
+    model = _build(kind, path, model_config, "meta", dtype)
+    parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing)
+    if mesh.device_type == "cuda":
+        target = torch.device("cuda", torch.cuda.current_device())
+    else:
+        target = torch.device(mesh.device_type)
+    if fsdp_config.offload_policy:
+        target = torch.device("cpu")
+    model.to_empty(device=target)
+    broadcast_into_sharded(model, full_state, mesh)
+    del full_state
+    if hasattr(model, "tie_weights") and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        _check_tied(model)
+    return model
+
+
+def _check_tied(model: nn.Module) -> None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is not None and inp is not None:
+        assert out.weight is inp.weight, "tied embeddings came apart during sharding"
+
+
+# --------------------------------------------------------------------------- offload between phases
+
+
+@torch.no_grad()
+def offload_fsdp_model(model: nn.Module) -> None:
+    """Move an FSDP2 model's sharded parameters and gradients to CPU (between phases)."""
+    _move_model(model, torch.device("cpu"))
+
+
+@torch.no_grad()
+def load_fsdp_model(model: nn.Module, device: torch.device | str) -> None:
+    """Bring the sharded parameters and gradients back to `device`."""
+    _move_model(model, torch.device(device))
+
+
+def _move_model(model: nn.Module, device: torch.device) -> None:
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    model.to(device)
+    for p in model.parameters():
+        if p.grad is not None and p.grad.device != device:
+            p.grad = p.grad.to(device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move optimizer state tensors to CPU (0-dim tensors such as Adam's `step` stay where they are)."""
+    _move_optimizer(optimizer, torch.device("cpu"))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move optimizer state tensors back to `device` before `step()`."""
+    _move_optimizer(optimizer, torch.device(device))
+
+
+def _move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                state[key] = value.to(device, non_blocking=device.type == "cpu")
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients of a (possibly FSDP2-sharded) model; return the total norm before clipping (a plain tensor).
+
+    A non-finite norm is returned as is and the gradients are left untouched (the caller skips the step).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if torch.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
