@@ -1,0 +1,141 @@
+"""The PPO policy computations of one data-parallel rank: log-probs and the policy update.
+
+`PPOActor` holds a (usually FSDP2-sharded) causal LM, its optimizer and lr scheduler, and
+the data-parallel process group. `update_policy` runs ppo_epochs x mini-batches x
+micro-batches with gradient accumulation; each micro-batch loss is scaled by its exact
+share of the mini-batch loss (see tinyzero.workers.scaling), so one optimizer step's
+gradient does not depend on how the mini-batch is split over micro-batches and ranks.
+Metrics are mini-batch values reduced over the data-parallel group, averaged over the
+optimizer steps of the call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinyzero.protocol import DataProto
+from tinyzero.workers.batching import make_micro_batches, restore_order
+from tinyzero.workers.config import ActorConfig
+from tinyzero.workers.forward import response_log_probs
+from tinyzero.workers.update import accumulate_gradients, mean_finite, mini_batches, optimizer_step
+
+# The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
+_STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
+               "actor/entropy", "actor/kl_loss")
+_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss")
+
+
+class PPOActor:
+    """Log-probs and PPO updates of one rank's share of the batch."""
+
+    def __init__(self, config: ActorConfig, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler=None, dp_group=None, dp_size: int = 1):
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.num_updates = 0
+        self.device = next(model.parameters()).device
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int | None, use_dynamic_bsz: bool,
+                         max_token_len: int, temperature: float, calculate_entropy: bool = True):
+        """(log_probs, entropys or None), each (rows, R) fp32 on CPU, in the rows' order."""
+        self.model.eval()
+        keys = ["responses", "input_ids", "attention_mask", "position_ids"]
+        data = data.select(batch_keys=keys)
+        micros, parts = make_micro_batches(data, micro_batch_size, use_dynamic_bsz, max_token_len, self.dp_group)
+        log_probs, entropys = [], []
+        for micro in micros:
+            batch = {k: v.to(self.device) for k, v in micro.batch.items()}
+            lp, ent = response_log_probs(self.model, batch, temperature, calculate_entropy)
+            log_probs.append(lp.float().cpu())
+            if ent is not None:
+                entropys.append(ent.float().cpu())
+        log_probs = restore_order(torch.cat(log_probs), parts)
+        entropy = restore_order(torch.cat(entropys), parts) if calculate_entropy else None
+        return log_probs, entropy
+
+    # ------------------------------------------------------------------ update
+    def _micro_loss(self, batch: dict, temperature: float):
+        """Loss of one micro-batch (agg_loss-normalised over the micro-batch) and its stats."""
+        from tinyzero.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+
+        cfg = self.config
+        mask = batch["response_mask"].float()  # (b, R)
+        need_entropy = cfg.entropy_coeff != 0
+        log_prob, entropy = response_log_probs(self.model, batch, temperature, need_entropy)
+        policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        rollout_log_probs = batch.get("rollout_log_probs") if cfg.tis_imp_ratio_cap > 0 else None
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
+            old_log_prob=batch["old_log_probs"], log_prob=log_prob, advantages=batch["advantages"],
+            response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_log_probs=rollout_log_probs,
+        )
+        loss = pg_loss
+        zero = torch.zeros((), device=loss.device)
+        entropy_loss = zero
+        if need_entropy:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            loss = loss - cfg.entropy_coeff * entropy_loss
+        kl_loss = zero
+        if cfg.use_kl_loss:
+            kld = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)  # (b, R)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss)
+
+    def _batch_keys(self) -> list[str]:
+        keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask",
+                "old_log_probs", "advantages"]
+        if self.config.use_kl_loss:
+            keys.append("ref_log_prob")
+        if self.config.tis_imp_ratio_cap > 0:
+            keys.append("rollout_log_probs")
+        return keys
+
+    def update_policy(self, data: DataProto, rows_per_mini_batch: int) -> dict[str, float]:
+        """PPO update over `data` (this rank's rows); returns metrics reduced over the DP group."""
+        cfg = self.config
+        self.model.train()
+        temperature = float(data.meta_info.get("temperature", 1.0))
+        missing = [k for k in self._batch_keys() if k not in data.batch]
+        if missing:
+            raise ValueError(f"update_actor: batch lacks {missing} (use_kl_loss needs ref_log_prob; "
+                             f"tis_imp_ratio_cap > 0 needs rollout_log_probs)")
+        data = data.select(batch_keys=self._batch_keys())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
+        grad_norms, skipped = [], 0
+        for epoch in range(cfg.ppo_epochs):
+            seed = cfg.seed + 1000003 * self.num_updates + epoch
+            for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
+                micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                               cfg.ppo_max_token_len_per_gpu, self.dp_group)
+                self.optimizer.zero_grad(set_to_none=True)
+                stats_sum += accumulate_gradients(
+                    micros, mini.batch["response_mask"], cfg.loss_agg_mode,
+                    lambda batch: self._micro_loss(batch, temperature), _STAT_KINDS, self.device,
+                    self.dp_size, self.dp_group)
+                grad_norm, stepped = optimizer_step(self.optimizer, params, cfg.grad_clip, "actor")
+                grad_norms.append(grad_norm)
+                skipped += 0 if stepped else 1
+        lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else cfg.optim.lr
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.num_updates += 1
+        steps = len(grad_norms)
+        metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
+        if cfg.entropy_coeff == 0:
+            metrics.pop("actor/entropy")
+        if cfg.use_kl_loss:
+            metrics["actor/kl_coef"] = cfg.kl_loss_coef
+        else:
+            metrics.pop("actor/kl_loss")
+        metrics["actor/grad_norm"] = mean_finite(grad_norms)
+        metrics["actor/lr"] = lr
+        metrics["actor/num_skipped_steps"] = float(skipped)
+        return metrics

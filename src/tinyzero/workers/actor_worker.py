@@ -1,0 +1,241 @@
+"""ActorRolloutRefWorker: the policy's training, sampling and reference roles on one pool.
+
+    wg = WorkerGroup(resource_pool=pool,
+                     cls_with_init=ClassWithInitArgs(ActorRolloutRefWorker, config, "actor_rollout_ref"))
+    wg.init_model()
+    gen = wg.generate_sequences(prompts)            # rollout engine, weights synced from the actor
+    old = wg.compute_log_prob(batch)                # old_log_probs, entropys
+    ref = wg.compute_ref_log_prob(batch)            # ref_log_prob
+    out = wg.update_actor(batch)                    # out.meta_info["metrics"]
+
+Roles: "actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref". The actor is an
+FSDP2-sharded causal LM with AdamW and an lr schedule; the reference is a separate frozen
+FSDP2 copy; the rollout engine is built last, so its memory estimate sees what training
+holds. Before each generation the actor's weights are streamed into the engine (only when
+they changed since the last sync), in the order wake weights -> sync -> wake KV cache ->
+generate -> sleep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from tinyzero.protocol import DataProto
+from tinyzero.single_controller import Dispatch, Worker, register
+from tinyzero.workers import checkpointing
+from tinyzero.workers.actor import PPOActor
+from tinyzero.workers.common import (
+    fsdp_mesh,
+    masked_mean_over_group,
+    offload_after_init,
+    on_device,
+    peak_memory_gb,
+    response_mask_of,
+)
+from tinyzero.workers.config import ActorRolloutRefConfig
+from tinyzero.workers.forward import attach_log_prob_method
+from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+class ActorRolloutRefWorker(Worker):
+    """Actor (PPO update), rollout (generation) and reference (frozen log-probs) of the policy."""
+
+    def __init__(self, config: ActorRolloutRefConfig, role: str):
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"role={role!r} is unknown; use one of {list(ROLES)}")
+        self.config = config
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+        tp = int(getattr(config.rollout, "tensor_model_parallel_size", 1) or 1)
+        if self._is_rollout:
+            if self.world_size % tp:
+                raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide the pool size "
+                                 f"{self.world_size}")
+            # Ranks of one tensor-parallel group generate from the same prompts; the first one reports.
+            self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
+        self.rows_per_mini_batch = self._rows_per_mini_batch() if self._is_actor else 0
+        self.actor: PPOActor | None = None
+        self.ref: PPOActor | None = None
+        self.rollout = None
+        self.tokenizer = None
+        self._weights_version = 0  # bumped whenever the actor's weights change
+        self._synced_version = -1  # version last pushed into the rollout engine
+
+    def _rows_per_mini_batch(self) -> int:
+        """veRL's normalisation: prompts x rollout.n responses, shared by the data-parallel ranks."""
+        actor = self.config.actor
+        n = int(getattr(self.config.rollout, "n", 1))
+        rows = actor.ppo_mini_batch_size * n
+        if rows % self.world_size:
+            raise ValueError(f"actor.ppo_mini_batch_size * rollout.n = {rows} is not divisible by the "
+                             f"{self.world_size} data-parallel ranks; change ppo_mini_batch_size")
+        per_rank = rows // self.world_size
+        mbs = actor.ppo_micro_batch_size_per_gpu
+        if not actor.use_dynamic_bsz and mbs is not None and per_rank % mbs:
+            raise ValueError(f"a rank's mini-batch of {per_rank} rows is not divisible by "
+                             f"actor.ppo_micro_batch_size_per_gpu={mbs}")
+        return per_rank
+
+    # ------------------------------------------------------------------ init
+    def _build_fsdp_model(self, fsdp_config, trainable: bool):
+        from tinyzero.models.fsdp import load_sharded_model
+
+        model_config = self.config.model
+        if not trainable and model_config.enable_gradient_checkpointing:
+            model_config = dataclasses.replace(model_config, enable_gradient_checkpointing=False)
+        model = load_sharded_model(model_config, fsdp_config, fsdp_mesh(self, fsdp_config), kind="causal_lm")
+        if not trainable:
+            model.requires_grad_(False)
+        return attach_log_prob_method(model)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        """Build the actor (+ optimizer, lr schedule), the reference and the rollout engine, in that order."""
+        from tinyzero.models.loading import load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
+        if self._is_actor:
+            fsdp = cfg.actor.fsdp_config
+            model = self._build_fsdp_model(fsdp, trainable=True)
+            optimizer = build_optimizer(model.parameters(), cfg.actor.optim)
+            scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
+            self.actor = PPOActor(cfg.actor, model, optimizer, scheduler, dp_group=self.process_group,
+                                  dp_size=self.world_size)
+            offload_after_init(model, fsdp, optimizer)
+        if self._is_ref:
+            fsdp = cfg.ref.fsdp_config
+            model = self._build_fsdp_model(fsdp, trainable=False)
+            self.ref = PPOActor(cfg.actor, model, dp_group=self.process_group, dp_size=self.world_size)
+            offload_after_init(model, fsdp)
+        if self._is_rollout:
+            self.rollout = self._build_rollout()
+        self._weights_version += 1
+
+    def _build_rollout(self):
+        from tinyzero.models.loading import load_hf_config
+        from tinyzero.rollout import build_rollout
+
+        cfg = self.config
+        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code, cfg.model.override_config)
+        tp = int(getattr(cfg.rollout, "tensor_model_parallel_size", 1) or 1)
+        return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
+                             device=self.device, process_group=self.process_group, tp_size=tp,
+                             dtype=getattr(cfg.rollout, "dtype", "auto"))
+
+    # ------------------------------------------------------------------ rollout
+    def _sync_weights(self) -> None:
+        """Stream the actor's full parameters into the engine, one bucket at a time."""
+        from tinyzero.rollout.weight_sync import iter_full_params
+
+        if self.actor is None or self._synced_version == self._weights_version:
+            return
+        bucket = int(getattr(self.config.rollout, "weight_sync_bucket_mb", 256)) * 2**20
+        fsdp = self.config.actor.fsdp_config
+        with on_device(self.actor.model, fsdp, self.device):
+            self.rollout.update_weights(iter_full_params(self.actor.model, bucket))
+        self._synced_version = self._weights_version
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="rollout")
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample responses for this rollout group's prompts with the current actor weights."""
+        if self.rollout is None:
+            raise ValueError(f"generate_sequences needs a rollout role; this worker is {self.role!r}")
+        meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id}
+        prompts.meta_info = {**meta, **prompts.meta_info}
+        self.rollout.wake_up(tags=["weights"])
+        self._sync_weights()
+        self.rollout.wake_up(tags=["kv_cache"])
+        try:
+            out = self.rollout.generate_sequences(prompts)
+        finally:
+            self.rollout.sleep()
+        out.meta_info.setdefault("metrics", {})
+        out.meta_info["metrics"]["perf/max_memory_allocated_gb/rollout"] = peak_memory_gb(self.device)
+        return out
+
+    # ------------------------------------------------------------------ log-probs
+    def _log_prob_settings(self, data: DataProto):
+        rollout, actor = self.config.rollout, self.config.actor
+        temperature = float(data.meta_info.get("temperature", getattr(rollout, "temperature", 1.0)))
+        mbs = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None)
+        dynamic = bool(getattr(rollout, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz))
+        max_tokens = int(getattr(rollout, "log_prob_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu))
+        return temperature, mbs, dynamic, max_tokens
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """old_log_probs and entropys (rows, R) of the responses under the current actor."""
+        if self.actor is None:
+            raise ValueError(f"compute_log_prob needs the actor role; this worker is {self.role!r}")
+        temperature, mbs, dynamic, max_tokens = self._log_prob_settings(data)
+        with on_device(self.actor.model, self.config.actor.fsdp_config, self.device):
+            log_probs, entropys = self.actor.compute_log_prob(data, mbs, dynamic, max_tokens, temperature, True)
+        entropy = masked_mean_over_group(entropys, response_mask_of(data), self.process_group)
+        return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropys},
+                                   meta_info={"temperature": temperature, "metrics": {"actor/entropy": entropy}})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """ref_log_prob (rows, R) of the responses under the frozen reference policy."""
+        if self.ref is None:
+            raise ValueError(f"compute_ref_log_prob needs the ref role; this worker is {self.role!r}")
+        ref = self.config.ref
+        temperature = float(data.meta_info.get("temperature", getattr(self.config.rollout, "temperature", 1.0)))
+        with on_device(self.ref.model, ref.fsdp_config, self.device):
+            log_probs, _ = self.ref.compute_log_prob(data, ref.log_prob_micro_batch_size_per_gpu,
+                                                     ref.log_prob_use_dynamic_bsz,
+                                                     ref.log_prob_max_token_len_per_gpu, temperature, False)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_probs}, meta_info={"temperature": temperature})
+
+    # ------------------------------------------------------------------ update
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO update on this rank's rows; returns DataProto(meta_info={"metrics": {...}})."""
+        if self.actor is None:
+            raise ValueError(f"update_actor needs the actor role; this worker is {self.role!r}")
+        data.meta_info.setdefault("temperature", getattr(self.config.rollout, "temperature", 1.0))
+        fsdp = self.config.actor.fsdp_config
+        with on_device(self.actor.model, fsdp, self.device, self.actor.optimizer):
+            metrics = self.actor.update_policy(data, self.rows_per_mini_batch)
+        self._weights_version += 1
+        metrics["perf/max_memory_allocated_gb/actor"] = peak_memory_gb(self.device)
+        return DataProto(meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------ checkpoints
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None):
+        """Sharded actor checkpoint (model, optimizer, lr scheduler, RNG) under `local_path`."""
+        if self.actor is None:
+            return None
+        with on_device(self.actor.model, self.config.actor.fsdp_config, self.device, self.actor.optimizer):
+            checkpointing.save_role(self, self.actor, local_path, global_step, max_ckpt_to_keep,
+                                    self.config.actor.checkpoint.contents)
+        return local_path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False):
+        """Restore what `save_checkpoint` wrote (works with a different number of ranks)."""
+        if self.actor is None:
+            return None
+        with on_device(self.actor.model, self.config.actor.fsdp_config, self.device, self.actor.optimizer):
+            checkpointing.load_role(self, self.actor, local_path)
+        self._weights_version += 1
+        return local_path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> str:
+        """Write the actor as an HF folder (safetensors + config + tokenizer)."""
+        if self.actor is None:
+            raise ValueError(f"export_hf needs the actor role; this worker is {self.role!r}")
+        with on_device(self.actor.model, self.config.actor.fsdp_config, self.device):
+            checkpointing.export_hf(self, self.actor.model, out_dir, self.tokenizer)
+        return out_dir

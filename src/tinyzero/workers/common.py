@@ -1,0 +1,86 @@
+"""Pieces every FSDP2 worker shares: its mesh, device residency around phases, tensor metrics.
+
+`fsdp_mesh` lays out one role's FSDP2 mesh over the worker's pool (1-D over all pool ranks,
+or 2-D (replicate, shard) for hybrid sharding). `on_device` brings offloaded parameters
+(and optionally optimizer state) to the device for one phase and offloads them again after,
+when the FSDP config asks for offloading between phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from tinyzero.models.config import FSDPConfig
+from tinyzero.workers.scaling import all_reduce_sum
+
+
+def fsdp_mesh(worker, fsdp_config: FSDPConfig):
+    """The FSDP2 DeviceMesh of a role over `worker`'s pool."""
+    replicate, shard = fsdp_config.mesh_shape(worker.world_size)
+    if replicate == 1:
+        return worker.device_mesh((shard,), ("fsdp",))
+    return worker.device_mesh((replicate, shard), ("replicate", "shard"))
+
+
+def offloads_params(fsdp_config: FSDPConfig) -> bool:
+    """Parameters leave the device between phases (not under CPUOffloadPolicy, which keeps them on CPU)."""
+    return fsdp_config.param_offload and not fsdp_config.offload_policy
+
+
+def offloads_optimizer(fsdp_config: FSDPConfig) -> bool:
+    return fsdp_config.optimizer_offload and not fsdp_config.offload_policy
+
+
+@contextlib.contextmanager
+def on_device(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device,
+              optimizer: torch.optim.Optimizer | None = None):
+    """Parameters (and optimizer state when given) on `device` inside, offloaded after if configured."""
+    from tinyzero.models.fsdp import load_fsdp_model, load_optimizer, offload_fsdp_model, offload_optimizer
+
+    if offloads_params(fsdp_config):
+        load_fsdp_model(model, device)
+    if optimizer is not None and offloads_optimizer(fsdp_config):
+        load_optimizer(optimizer, device)
+    try:
+        yield
+    finally:
+        if offloads_params(fsdp_config):
+            offload_fsdp_model(model)
+        if optimizer is not None and offloads_optimizer(fsdp_config):
+            offload_optimizer(optimizer)
+
+
+def offload_after_init(model: nn.Module, fsdp_config: FSDPConfig,
+                       optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Start offloaded when the config offloads between phases."""
+    from tinyzero.models.fsdp import offload_fsdp_model, offload_optimizer
+
+    if offloads_params(fsdp_config):
+        offload_fsdp_model(model)
+    if optimizer is not None and offloads_optimizer(fsdp_config):
+        offload_optimizer(optimizer)
+
+
+def masked_mean_over_group(values: torch.Tensor, mask: torch.Tensor, group=None) -> float:
+    """sum(values * mask) / sum(mask) over all rows of all ranks of `group`."""
+    sums = torch.tensor([float((values * mask).sum()), float(mask.sum())], dtype=torch.float64)
+    all_reduce_sum(sums, group)
+    return float(sums[0] / sums[1].clamp(min=1.0))
+
+
+def response_mask_of(data) -> torch.Tensor:
+    """`response_mask` if present, else the response part of the attention mask."""
+    if "response_mask" in data.batch:
+        return data.batch["response_mask"].float()
+    r = data.batch["responses"].shape[1]
+    return data.batch["attention_mask"][:, -r:].float()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory in GiB (0 on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return 0.0

@@ -1,0 +1,101 @@
+"""The value-function computations of one data-parallel rank: values and the critic update.
+
+`PPOCritic` holds a value model (LM backbone + scalar head, usually FSDP2-sharded), its
+optimizer and lr scheduler. The update minimises the clipped value loss of
+tinyzero.algorithms.compute_value_loss with the same exact micro-batch / rank scaling as
+the actor (tinyzero.workers.scaling).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinyzero.protocol import DataProto
+from tinyzero.workers.batching import make_micro_batches, restore_order
+from tinyzero.workers.config import CriticConfig
+from tinyzero.workers.forward import response_values
+from tinyzero.workers.update import accumulate_gradients, mean_finite, mini_batches, optimizer_step
+
+_STAT_NAMES = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
+_STAT_KINDS = ("loss", "token", "token")
+_FORWARD_KEYS = ["responses", "input_ids", "attention_mask", "position_ids"]
+
+
+class PPOCritic:
+    """Values and value-loss updates of one rank's share of the batch."""
+
+    def __init__(self, config: CriticConfig, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler=None, dp_group=None, dp_size: int = 1):
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.num_updates = 0
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def compute_values(self, data: DataProto) -> torch.Tensor:
+        """Values (rows, R) fp32 on CPU at the response positions, masked by response_mask."""
+        cfg = self.config
+        self.model.eval()
+        keys = _FORWARD_KEYS + (["response_mask"] if "response_mask" in data.batch else [])
+        data = data.select(batch_keys=keys)
+        micros, parts = make_micro_batches(data, cfg.forward_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                           cfg.forward_max_token_len_per_gpu, self.dp_group)
+        values = []
+        for micro in micros:
+            batch = {k: v.to(self.device) for k, v in micro.batch.items()}
+            values.append(response_values(self.model, batch).cpu())
+        values = restore_order(torch.cat(values), parts)
+        if "response_mask" in data.batch:
+            values = values * data.batch["response_mask"].to(values.dtype)
+        return values
+
+    def _micro_loss(self, batch: dict):
+        from tinyzero.algorithms import compute_value_loss, masked_mean
+
+        cfg = self.config
+        mask = batch["response_mask"].float()  # (b, R)
+        vpreds = response_values(self.model, batch)  # (b, R)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds=vpreds, returns=batch["returns"], values=batch["values"], response_mask=mask,
+            cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode)
+        return vf_loss, (vf_loss, vf_clipfrac, masked_mean(vpreds, mask))
+
+    def update_critic(self, data: DataProto, rows_per_mini_batch: int) -> dict[str, float]:
+        """Value-loss update over `data` (this rank's rows); metrics reduced over the DP group."""
+        cfg = self.config
+        self.model.train()
+        keys = _FORWARD_KEYS + ["response_mask", "values", "returns"]
+        missing = [k for k in keys if k not in data.batch]
+        if missing:
+            raise ValueError(f"update_critic: batch lacks {missing} (compute_values and compute_advantage "
+                             f"must run first)")
+        data = data.select(batch_keys=keys)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
+        grad_norms = []
+        for epoch in range(cfg.ppo_epochs):
+            seed = cfg.seed + 1000003 * self.num_updates + epoch
+            for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
+                micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                               cfg.ppo_max_token_len_per_gpu, self.dp_group)
+                self.optimizer.zero_grad(set_to_none=True)
+                stats_sum += accumulate_gradients(micros, mini.batch["response_mask"], cfg.loss_agg_mode,
+                                                  self._micro_loss, _STAT_KINDS, self.device, self.dp_size,
+                                                  self.dp_group)
+                grad_norm, _ = optimizer_step(self.optimizer, params, cfg.grad_clip, "critic")
+                grad_norms.append(grad_norm)
+        lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else cfg.optim.lr
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.num_updates += 1
+        steps = len(grad_norms)
+        metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
+        metrics["critic/grad_norm"] = mean_finite(grad_norms)
+        metrics["critic/lr"] = lr
+        metrics["critic/num_skipped_steps"] = float(sum(1 for g in grad_norms if g != g or abs(g) == float("inf")))
+        return metrics

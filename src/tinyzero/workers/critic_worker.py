@@ -1,0 +1,81 @@
+"""CriticWorker: the value model (LM backbone + scalar head) on FSDP2.
+
+    wg = WorkerGroup(resource_pool=pool, cls_with_init=ClassWithInitArgs(CriticWorker, critic_config))
+    wg.init_model()
+    batch = batch.union(wg.compute_values(batch))   # values (rows, R)
+    out = wg.update_critic(batch)                   # clipped value loss; out.meta_info["metrics"]
+"""
+
+from __future__ import annotations
+
+from tinyzero.protocol import DataProto
+from tinyzero.single_controller import Dispatch, Worker, register
+from tinyzero.workers import checkpointing
+from tinyzero.workers.common import fsdp_mesh, offload_after_init, on_device, peak_memory_gb
+from tinyzero.workers.config import CriticConfig
+from tinyzero.workers.critic import PPOCritic
+from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+
+
+class CriticWorker(Worker):
+    """Values and value-loss updates of the PPO critic."""
+
+    def __init__(self, config: CriticConfig):
+        super().__init__()
+        self.config = config
+        rows = config.ppo_mini_batch_size * config.rollout_n
+        if rows % self.world_size:
+            raise ValueError(f"critic.ppo_mini_batch_size * rollout_n = {rows} is not divisible by the "
+                             f"{self.world_size} data-parallel ranks; change critic.ppo_mini_batch_size")
+        self.rows_per_mini_batch = rows // self.world_size
+        mbs = config.ppo_micro_batch_size_per_gpu
+        if not config.use_dynamic_bsz and mbs is not None and self.rows_per_mini_batch % mbs:
+            raise ValueError(f"a rank's critic mini-batch of {self.rows_per_mini_batch} rows is not divisible by "
+                             f"critic.ppo_micro_batch_size_per_gpu={mbs}")
+        self.critic: PPOCritic | None = None
+        self.tokenizer = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        """Load the value model sharded over the pool, with AdamW and its lr schedule."""
+        from tinyzero.models.fsdp import load_sharded_model
+        from tinyzero.models.loading import load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
+        model = load_sharded_model(cfg.model, cfg.fsdp_config, fsdp_mesh(self, cfg.fsdp_config), kind="value")
+        optimizer = build_optimizer(model.parameters(), cfg.optim)
+        scheduler = build_lr_scheduler(optimizer, cfg.optim)
+        self.critic = PPOCritic(cfg, model, optimizer, scheduler, dp_group=self.process_group,
+                                dp_size=self.world_size)
+        offload_after_init(model, cfg.fsdp_config, optimizer)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """values (rows, R) at the response positions (0 where response_mask is 0)."""
+        with on_device(self.critic.model, self.config.fsdp_config, self.device):
+            values = self.critic.compute_values(data)
+        return DataProto.from_dict(tensors={"values": values})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Clipped value-loss update on this rank's rows; DataProto(meta_info={"metrics": {...}})."""
+        with on_device(self.critic.model, self.config.fsdp_config, self.device, self.critic.optimizer):
+            metrics = self.critic.update_critic(data, self.rows_per_mini_batch)
+        metrics["perf/max_memory_allocated_gb/critic"] = peak_memory_gb(self.device)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None):
+        """Sharded critic checkpoint (model, optimizer, lr scheduler, RNG) under `local_path`."""
+        with on_device(self.critic.model, self.config.fsdp_config, self.device, self.critic.optimizer):
+            checkpointing.save_role(self, self.critic, local_path, global_step, max_ckpt_to_keep,
+                                    self.config.checkpoint.contents)
+        return local_path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False):
+        """Restore what `save_checkpoint` wrote."""
+        with on_device(self.critic.model, self.config.fsdp_config, self.device, self.critic.optimizer):
+            checkpointing.load_role(self, self.critic, local_path)
+        return local_path

@@ -1,0 +1,106 @@
+"""Model forward passes used by the workers: response log-probs, values, reward scores.
+
+Log-probs never build the [tokens, vocab] logits: the backbone's final hidden states go
+with the lm_head weight into `tinyzero.kernels.linear_log_probs`. On an FSDP2 model that
+weight is only whole inside a forward, so the computation is attached to the model as a
+method (`token_log_probs`) that FSDP runs with its forward hooks
+(`register_fsdp_forward_method`): parameters are gathered before it, resharded after, and
+gradients reduce-scattered in backward as for `forward`.
+
+Convention: for responses of length R appended to the prompt, the log-prob of response
+token t comes from the hidden state at input position (P + t - 1), i.e. the slice
+[-R-1:-1] of the sequence; logits are divided by the temperature before the softmax.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from tinyzero.workers.batching import trim_padding
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    prefix = getattr(model, "base_model_prefix", "model")
+    backbone = getattr(model, prefix, None)
+    if backbone is None:
+        raise ValueError(f"{type(model).__name__} has no backbone attribute {prefix!r}")
+    return backbone
+
+
+def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, temperature=1.0,
+                     return_entropy=False):
+    """Log-probs (and entropy) of `responses`, the last columns of `input_ids`; both (batch, R) fp32."""
+    from tinyzero.kernels import linear_log_probs
+
+    out = _backbone(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
+    r = responses.shape[1]
+    hidden = out.last_hidden_state[:, -r - 1:-1]  # (batch, R, hidden)
+    weight = self.get_output_embeddings().weight  # (vocab, hidden)
+    return linear_log_probs(hidden, weight, responses, temperature=temperature, return_entropy=return_entropy)
+
+
+def attach_log_prob_method(model: nn.Module) -> nn.Module:
+    """Give `model` a `token_log_probs(...)` method that FSDP2 treats like forward."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); a causal LM is needed")
+    model.token_log_probs = types.MethodType(_token_log_probs, model)
+    register_fsdp_forward_method(model, "token_log_probs")
+    return model
+
+
+def _token_scores(self, input_ids, attention_mask, position_ids):
+    """Scalar head output at every position, (batch, seq) fp32 (sequence-classification models)."""
+    out = _backbone(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
+    return self.score(out.last_hidden_state)[..., 0].float()
+
+
+def attach_score_method(model: nn.Module) -> nn.Module:
+    """Give a reward model a `token_scores(...)` method that FSDP2 treats like forward.
+
+    HF's sequence-classification forward picks the last non-pad token by the pad id, which
+    is wrong when pad == eos; the workers pick the position from the attention mask instead.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not isinstance(getattr(model, "score", None), nn.Module):
+        raise ValueError(f"{type(model).__name__} has no `score` head; a sequence-classification model is needed")
+    model.token_scores = types.MethodType(_token_scores, model)
+    register_fsdp_forward_method(model, "token_scores")
+    return model
+
+
+def response_log_probs(model: nn.Module, batch, temperature: float, return_entropy: bool):
+    """(log_probs, entropy or None), each (batch, R) fp32, for one micro-batch's tensors.
+
+    Columns that are padding in every row are cut first; the response positions cut on
+    the right get log-prob 0 and entropy 0 (they are masked everywhere downstream).
+    """
+    responses = batch["responses"]
+    r = responses.shape[1]
+    ids, mask, pos, kept = trim_padding(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)
+    out = model.token_log_probs(ids, mask, pos, responses[:, :kept], temperature, return_entropy)
+    log_probs, entropy = out if return_entropy else (out, None)
+    if kept < r:
+        log_probs = nn.functional.pad(log_probs, (0, r - kept))
+        entropy = nn.functional.pad(entropy, (0, r - kept)) if entropy is not None else None
+    return log_probs, entropy
+
+
+def response_values(model: nn.Module, batch) -> torch.Tensor:
+    """Value predictions (batch, R) fp32 of a token-level scalar-head model at response positions."""
+    responses = batch["responses"]
+    r = responses.shape[1]
+    ids, mask, pos, kept = trim_padding(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out
+    values = logits[:, -kept - 1:-1].squeeze(-1).float()  # (batch, kept)
+    if kept < r:
+        values = nn.functional.pad(values, (0, r - kept))
+    return values

@@ -1,0 +1,93 @@
+"""The training loop pieces shared by the actor and the critic.
+
+`mini_batches` splits a rank's rows into optimizer-step mini-batches;
+`accumulate_gradients` runs the micro-batches of one mini-batch with exact loss scaling
+(tinyzero.workers.scaling) and sums the weighted statistics; `optimizer_step` clips the
+gradient norm and steps, or skips the step when the norm is not finite.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from tinyzero.protocol import DataProto
+from tinyzero.workers.scaling import all_reduce_sum, global_counts, micro_weight, token_weight
+
+logger = logging.getLogger(__name__)
+
+
+def mini_batches(data: DataProto, rows_per_rank: int, shuffle: bool, seed: int) -> list[DataProto]:
+    """Split a rank's rows into mini-batches of `rows_per_rank` rows (optionally shuffled)."""
+    n = len(data)
+    if rows_per_rank <= 0 or n % rows_per_rank:
+        raise ValueError(f"a rank holds {n} rows, not a multiple of its mini-batch of {rows_per_rank} rows; "
+                         f"make the train batch (times rollout.n) divisible by ppo_mini_batch_size (times "
+                         f"rollout.n) and the mini-batch by the number of data-parallel ranks")
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        data = data.select_idxs(order)
+    return data.split(rows_per_rank)
+
+
+def accumulate_gradients(micros: Sequence[DataProto], mini_mask: torch.Tensor, loss_agg_mode: str,
+                         micro_loss_fn: Callable[[dict], tuple[torch.Tensor, Sequence[torch.Tensor]]],
+                         stat_kinds: Sequence[str], device: torch.device, dp_size: int = 1,
+                         dp_group=None) -> torch.Tensor:
+    """Backward every micro-batch with its exact share of the mini-batch loss.
+
+    `micro_loss_fn(batch)` returns (loss normalised over the micro-batch by agg_loss, stats).
+    A stat of kind "loss" is weighted like the loss, one of kind "token" as a token-mean.
+    Returns the mini-batch statistics summed over the data-parallel group (float64, CPU).
+    """
+    global_tokens, global_rows = global_counts(mini_mask, dp_group)
+    stats = torch.zeros(len(stat_kinds), dtype=torch.float64, device=device)
+    for micro in micros:
+        batch = {k: v.to(device) for k, v in micro.batch.items()}
+        mask = micro.batch["response_mask"]
+        w = micro_weight(loss_agg_mode, mask, global_tokens, global_rows)
+        tw = token_weight(mask, global_tokens)
+        loss, parts = micro_loss_fn(batch)
+        # FSDP averages gradients over its dp_size ranks; the factor undoes that division.
+        (loss * (w * dp_size)).backward()
+        weights = torch.tensor([w if kind == "loss" else tw for kind in stat_kinds], dtype=torch.float64,
+                               device=device)
+        stats += torch.stack([p.detach().to(torch.float64).reshape(()) for p in parts]) * weights
+    all_reduce_sum(stats, dp_group)
+    return stats.cpu()
+
+
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Pre-clip global L2 norm (a plain scalar tensor); clips only when the norm is finite."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):  # FSDP2 DTensor grads give a DTensor norm
+        norm = norm.full_tensor()
+    if torch.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], grad_clip: float,
+                   role: str) -> tuple[float, bool]:
+    """Clip and step; a non-finite gradient norm skips the step. Returns (grad_norm, stepped)."""
+    grad_norm = float(clip_grad_norm(params, grad_clip))
+    stepped = math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+    else:
+        logger.warning("%s: gradient norm is %s; optimizer step skipped", role, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
+def mean_finite(values: Sequence[float]) -> float:
+    """Mean of the finite values (nan when there are none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")

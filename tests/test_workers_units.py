@@ -1,0 +1,134 @@
+"""Unit tests of the worker building blocks: lr schedules, micro-batching, padding trim, loss scaling."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from tinyzero.protocol import DataProto
+from tinyzero.workers.batching import (
+    balanced_partitions,
+    restore_order,
+    split_dynamic,
+    split_fixed,
+    trim_padding,
+)
+from tinyzero.workers.optim import build_lr_scheduler, constant_lr_factor, cosine_lr_factor, num_warmup_steps
+
+
+def _optim_config(**kw):
+    from tinyzero.workers.config import OptimConfig
+
+    return OptimConfig(**kw)
+
+
+def _lrs(cfg, steps):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=cfg.lr)
+    sched = build_lr_scheduler(opt, cfg)
+    out = []
+    for _ in range(steps):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_constant_schedule_with_warmup():
+    cfg = _optim_config(lr=1e-3, lr_warmup_steps=4)
+    lrs = _lrs(cfg, 8)
+    expected = [1e-3 * min(1.0, s / 4) for s in range(8)]
+    assert lrs == pytest.approx(expected, rel=1e-12, abs=0)
+    # No warmup: the first step already uses the full learning rate.
+    assert _lrs(_optim_config(lr=1e-3), 3) == pytest.approx([1e-3] * 3)
+
+
+def test_cosine_schedule_reference():
+    cfg = _optim_config(lr=2.0, warmup_style="cosine", lr_warmup_steps_ratio=0.2, total_training_steps=10,
+                        min_lr_ratio=0.1)
+    assert num_warmup_steps(cfg) == 2
+    lrs = _lrs(cfg, 11)
+    for s, lr in enumerate(lrs):
+        if s < 2:
+            ref = 2.0 * s / 2
+        else:
+            progress = (s - 2) / 8
+            ref = 2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        assert lr == pytest.approx(ref, rel=1e-12, abs=1e-15), s
+    assert lrs[-1] == pytest.approx(0.2)  # decays to min_lr_ratio * lr
+    assert cosine_lr_factor(5, 0, 10) == pytest.approx(0.5)
+    assert constant_lr_factor(0, 0) == 1.0
+
+
+def test_cosine_needs_total_steps():
+    with pytest.raises(ValueError, match="total_training_steps"):
+        _lrs(_optim_config(warmup_style="cosine"), 1)
+    with pytest.raises(ValueError, match="warmup_style"):
+        _optim_config(warmup_style="linear")
+
+
+def test_balanced_partitions_cover_and_balance():
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        w = [rng.randint(1, 100) for _ in range(n)]
+        k = rng.randint(1, n)
+        parts = balanced_partitions(w, k)
+        assert len(parts) == k and all(parts)
+        assert sorted(i for p in parts for i in p) == list(range(n))
+        loads = [sum(w[i] for i in p) for p in parts]
+        # LPT bound: the heaviest group is at most the mean plus one item.
+        assert max(loads) <= sum(w) / k + max(w)
+
+
+def _batch(lengths_prompt, lengths_resp, p=6, r=5):
+    b = len(lengths_prompt)
+    attn = torch.zeros(b, p + r, dtype=torch.long)
+    for i, (lp, lr) in enumerate(zip(lengths_prompt, lengths_resp)):
+        attn[i, p - lp:p] = 1
+        attn[i, p:p + lr] = 1
+    ids = torch.randint(0, 50, (b, p + r)) * attn
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": attn, "position_ids": pos,
+                                "responses": ids[:, p:], "row": torch.arange(b)})
+
+
+def test_dynamic_split_respects_budget_and_restores_order():
+    data = _batch([6, 2, 3, 1, 5, 4, 2, 6], [5, 1, 2, 5, 3, 1, 4, 2])
+    seqlens = data.batch["attention_mask"].sum(-1).tolist()
+    micros, parts = split_dynamic(data, max_token_len=12)
+    assert len(micros) >= math.ceil(sum(seqlens) / 12)
+    for m in micros:
+        assert int(m.batch["attention_mask"].sum()) <= 12
+    rows = torch.cat([m.batch["row"] for m in micros])
+    assert torch.equal(restore_order(rows, parts), torch.arange(8))
+    with pytest.raises(ValueError, match="token budget"):
+        split_dynamic(data, max_token_len=8)
+
+
+def test_fixed_split():
+    data = _batch([1] * 6, [1] * 6)
+    assert [len(m) for m in split_fixed(data, 4)] == [4, 2]
+    assert [len(m) for m in split_fixed(data, None)] == [6]
+
+
+def test_trim_padding_keeps_real_tokens(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    data = _batch([2, 3], [2, 1], p=6, r=5)
+    ids, mask, pos = data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"]
+    t_ids, t_mask, t_pos, kept = trim_padding(ids, mask, pos, 5)
+    assert kept == 2 and t_ids.shape[1] == 3 + 2
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        trimmed = model(input_ids=t_ids, attention_mask=t_mask, position_ids=t_pos).logits
+    # Real positions: prompt tail and the kept responses, aligned at the prompt/response boundary.
+    for i in range(2):
+        for col in range(6 - 3, 6 + 2):
+            if mask[i, col]:
+                torch.testing.assert_close(trimmed[i, col - 3], full[i, col], rtol=1e-5, atol=1e-5)
