@@ -1,0 +1,42 @@
+"""Backend choice shared by the kernels: Triton on CUDA tensors, torch everywhere else.
+
+Every public kernel function takes `backend="auto" | "torch" | "triton"`. "auto" picks Triton
+when the tensors live on a CUDA device and Triton imports; "triton" forces the Triton kernels
+(the tests use it on CPU tensors under TRITON_INTERPRET=1); "torch" forces the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: CPU-only installs and macOS run the torch paths.
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the installation
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(x: torch.Tensor, backend: str) -> bool:
+    """Decide whether the Triton path runs for tensor `x` under `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; use one of {BACKENDS}")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise ValueError("backend='triton' needs the triton package; install it or use backend='torch'")
+        if not x.is_cuda and not triton_interpreting():
+            raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
+                             "imported; use backend='torch' (or 'auto') on CPU")
+        return True
+    return HAS_TRITON and x.is_cuda

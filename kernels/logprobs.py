@@ -1,0 +1,145 @@
+"""Token log-probs and entropy from logits, with a memory-lean backward.
+
+`log_probs_from_logits(logits, labels, temperature=1.0, return_entropy=False)`:
+    log softmax(logits / T)[label] (and the entropy of softmax(logits / T)), float32, in the
+    labels' shape. On CUDA it runs the Triton kernels of logprobs_triton (one pass over the
+    vocabulary per row, no float32 copy of the logits). Elsewhere the torch path works on
+    chunks of rows, upcasting one chunk at a time, so its extra memory is one chunk's float32
+    logits, not the whole tensor's.
+
+Numerics versus veRL (`verl.utils.torch_functional`): the same quantities
+(`logprobs_from_logits`, `entropy_from_logits`). Deliberate differences: the temperature is
+applied after the upcast to float32 (veRL divides the bf16 logits in place first) and bf16
+logits are reduced in float32 (veRL's fallback runs log_softmax in bf16); both are more
+accurate, not less.
+
+The row helpers `rows_forward` / `rows_backward` are shared with linear_log_probs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import use_triton
+
+_CHUNK_ELEMS = 1 << 22  # float32 elements per row chunk of the torch path (16 MiB)
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(vocab, 1))
+
+
+def rows_forward_torch(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool):
+    """(logp, entropy or None, lse) float32 (rows,), from 2-D logits, one row chunk at a time."""
+    rows, vocab = logits.shape
+    logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if with_entropy else None
+    step = _rows_per_chunk(vocab)
+    for i in range(0, rows, step):
+        x = logits[i:i + step].float()  # (chunk, V)
+        if inv_temp != 1.0:
+            x = x * inv_temp
+        c_lse = torch.logsumexp(x, dim=-1)  # (chunk,)
+        lse[i:i + step] = c_lse
+        logp[i:i + step] = x.gather(-1, labels[i:i + step].unsqueeze(-1)).squeeze(-1) - c_lse
+        if with_entropy:
+            p = torch.exp(x - c_lse.unsqueeze(-1))  # (chunk, V)
+            ent[i:i + step] = c_lse - torch.linalg.vecdot(p, x)
+    return logp, ent, lse
+
+
+def rows_backward_torch(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
+                        g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, inv_temp: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gradient w.r.t. 2-D logits, computed per row chunk in float32, stored in the logits' dtype."""
+    rows, vocab = logits.shape
+    grad = torch.empty_like(logits) if out is None else out
+    step = _rows_per_chunk(vocab)
+    for i in range(0, rows, step):
+        x = logits[i:i + step].float()
+        if inv_temp != 1.0:
+            x = x * inv_temp
+        logp = x - lse[i:i + step].unsqueeze(-1)  # (chunk, V)
+        p = torch.exp(logp)
+        g = torch.zeros_like(p)
+        if g_lp is not None:
+            glp = g_lp[i:i + step].float().unsqueeze(-1)  # (chunk, 1)
+            g = -p * glp
+            g.scatter_add_(-1, labels[i:i + step].unsqueeze(-1), glp)
+        if g_ent is not None:
+            gent = g_ent[i:i + step].float().unsqueeze(-1)
+            g = g - gent * p * (logp + ent[i:i + step].unsqueeze(-1))
+        if inv_temp != 1.0:
+            g = g * inv_temp
+        grad[i:i + step] = g
+    return grad
+
+
+def rows_forward(logits, labels, inv_temp, with_entropy, triton_path: bool):
+    if triton_path:
+        from . import logprobs_triton
+
+        return logprobs_triton.rows_forward(logits, labels, inv_temp, with_entropy)
+    return rows_forward_torch(logits, labels, inv_temp, with_entropy)
+
+
+def rows_backward(logits, labels, lse, ent, g_lp, g_ent, inv_temp, triton_path: bool, out=None):
+    if triton_path:
+        from . import logprobs_triton
+
+        return logprobs_triton.rows_backward(logits, labels, lse, ent, g_lp, g_ent, inv_temp, out)
+    return rows_backward_torch(logits, labels, lse, ent, g_lp, g_ent, inv_temp, out)
+
+
+class _LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, inv_temp, with_entropy, triton_path):
+        logp, ent, lse = rows_forward(logits, labels, inv_temp, with_entropy, triton_path)
+        ctx.save_for_backward(logits, labels, lse, ent if with_entropy else lse)
+        ctx.inv_temp, ctx.with_entropy, ctx.triton_path = inv_temp, with_entropy, triton_path
+        if with_entropy:
+            return logp, ent
+        return logp, None
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, labels, lse, ent = ctx.saved_tensors
+        if not ctx.with_entropy:
+            g_ent = None
+        grad = rows_backward(logits, labels, lse, ent, g_lp, g_ent, ctx.inv_temp, ctx.triton_path)
+        return grad, None, None, None, None
+
+
+def _check_inputs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim "
+                         f"{tuple(logits.shape[:-1])}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point; got {logits.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                          return_entropy: bool = False, backend: str = "auto"):
+    """log softmax(logits / T) at `labels` (float32, labels' shape); with entropy if asked.
+
+    logits: (..., V) in bf16 / fp16 / fp32 / fp64; labels: (...) integer ids in [0, V).
+    Differentiable w.r.t. logits (both outputs). Returns `log_probs` or `(log_probs, entropy)`.
+    """
+    _check_inputs(logits, labels, temperature)
+    triton_path = use_triton(logits, backend) and logits.dtype != torch.float64
+    shape = labels.shape
+    flat = logits.reshape(-1, logits.shape[-1])
+    logp, ent = _LogProbs.apply(flat, labels.reshape(-1).long(), 1.0 / float(temperature), bool(return_entropy),
+                                triton_path)
+    if return_entropy:
+        return logp.view(shape), ent.view(shape)
+    return logp.view(shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, backend: str = "auto") -> torch.Tensor:
+    """Entropy of softmax(logits / T) per position, float32, shape logits.shape[:-1]; differentiable."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return log_probs_from_logits(logits, labels, temperature, return_entropy=True, backend=backend)[1]

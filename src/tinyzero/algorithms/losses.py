@@ -1,0 +1,193 @@
+"""Loss aggregation, policy losses (registered by name), value loss and entropy loss.
+
+Numerics follow veRL's `core_algos.py`. Policy losses share one signature,
+
+    fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+       config=None, rollout_log_probs=None) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+where `config` is any object with the actor's clip fields (clip_ratio, clip_ratio_low,
+clip_ratio_high, clip_ratio_c, tis_imp_ratio_cap; missing ones take veRL's defaults). All
+returns are tensors (metrics stay on the device). A new loss is one decorated function:
+
+    @register_policy_loss("my_loss")
+    def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                config=None, rollout_log_probs=None): ...
+
+Shape legend: B = batch, R = response_len; every (B, R) tensor is right-padded by response_mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from tinyzero.kernels import entropy_from_logits
+
+from .functional import clip_by_value, masked_mean, masked_sum
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a policy loss under `name`."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name]})")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    """The policy loss registered under `name`; ValueError listing the known names otherwise."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
+             batch_num_tokens: float | torch.Tensor | None = None, global_batch_size: float | torch.Tensor | None = None,
+             loss_scale_factor: float | None = None) -> torch.Tensor:
+    """Aggregate a (B, R) loss matrix into a scalar.
+
+    token-mean: sum over valid tokens / number of valid tokens (batch_num_tokens if given).
+    seq-mean-token-sum: mean over non-empty sequences of the per-sequence token sum.
+    seq-mean-token-mean: mean over non-empty sequences of the per-sequence token mean.
+    seq-mean-token-sum-norm: sum of per-sequence token sums / loss_scale_factor (default R), Dr. GRPO.
+    dp_size, batch_num_tokens and global_batch_size make the micro-batch loss a share of a
+    global-batch loss (veRL's convention); the defaults give the plain local aggregate.
+    """
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            batch_num_tokens = loss_mask.sum()
+        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)  # (B,)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()  # empty sequences do not count
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_tokens = torch.sum(loss_mask, dim=-1)  # (B,)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_tokens + 1e-8)
+        seq_mask = (seq_tokens > 0).float()
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        if loss_scale_factor is None:
+            loss_scale_factor = loss_mask.shape[-1]
+        return torch.sum(seq_losses) / loss_scale_factor
+    raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; use one of {list(LOSS_AGG_MODES)}")
+
+
+def _clip_params(config: Any) -> tuple[float, float, float]:
+    clip_ratio = getattr(config, "clip_ratio", 0.2) if config is not None else 0.2
+    low = getattr(config, "clip_ratio_low", None) if config is not None else None
+    high = getattr(config, "clip_ratio_high", None) if config is not None else None
+    return (clip_ratio if low is None else low), (clip_ratio if high is None else high), clip_ratio
+
+
+def _ppo_clip_losses(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
+                     clip_ratio_c):
+    """Token losses of dual-clip PPO and its statistics (veRL's compute_policy_loss_vanilla body)."""
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO (got {clip_ratio_c})")
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (B, R)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)  # (B, R)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)  # (B, R)
+    return pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def apply_tis(pg_losses: torch.Tensor, old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor | None,
+              cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025): weight by min(exp(old - rollout), cap).
+
+    Corrects for the rollout engine sampling from slightly different probabilities than the
+    trainer computes; off when cap <= 0 or rollout log-probs are absent. The weight carries
+    no gradient (old and rollout log-probs are constants of the update).
+    """
+    if cap <= 0 or rollout_log_probs is None:
+        return pg_losses
+    weight = torch.clamp(torch.exp(old_log_prob - rollout_log_probs), max=cap).detach()  # (B, R)
+    return pg_losses * weight
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                config=None, rollout_log_probs=None):
+    """PPO clipped surrogate with dual clip (clip_ratio_c) and decoupled clip_ratio_low / _high (DAPO)."""
+    low, high, _ = _clip_params(config)
+    clip_ratio_c = getattr(config, "clip_ratio_c", 3.0) if config is not None else 3.0
+    pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _ppo_clip_losses(
+        old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c)
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
+                             loss_agg_mode="seq-mean-token-mean", config=None, rollout_log_probs=None):
+    """GSPO (Zheng et al. 2025): clip the length-normalised sequence ratio; seq-mean-token-mean always.
+
+    Token ratio s_t = sg[s_seq] * pi / sg[pi], so the gradient flows per token while the value
+    is the sequence ratio exp(mean_t(log pi - log pi_old)); log ratio clamped at 10.
+    """
+    del loss_agg_mode  # GSPO aggregates at the sequence level, as in veRL
+    low, high, _ = _clip_params(config)
+    negative_approx_kl = log_prob - old_log_prob  # (B, R)
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths  # (B,)
+    log_seq_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))  # (B, R)
+    pg_losses1 = -advantages * seq_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
+
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low=None,
+                        cliprange_high=None, clip_ratio_c=3.0, loss_agg_mode="token-mean"):
+    """Dual-clip PPO loss with explicit clip ranges -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)."""
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _ppo_clip_losses(
+        old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c)
+    return agg_loss(pg_losses, response_mask, loss_agg_mode), pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode="token-mean"):
+    """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- eps) - R)^2)) -> (vf_loss, vf_clipfrac)."""
+    vpredclipped = clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)  # (B, R)
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
+    vf_loss = 0.5 * agg_loss(clipped_vf_losses, response_mask, loss_agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"):
+    """Mean entropy of softmax(logits) (B, R, V) over the response, aggregated like the losses."""
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
