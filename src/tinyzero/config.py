@@ -1,0 +1,394 @@
+"""The root config: composition of the component configs, presets, YAML round trip, CLI, validation.
+
+`Config` has veRL's sections (data, actor_rollout_ref, critic, reward_model, reward, algorithm,
+trainer) plus `dpo`. Each component dataclass lives next to the code it configures; this module
+only composes them, adds `TrainerConfig`, and checks what spans sections.
+
+Command line (see train.py): `--preset NAME` picks a preset (a function in tinyzero.configs) as
+the defaults, `--config run.yaml` loads a saved config on top of it, and every field is a flag
+(`--actor_rollout_ref.actor.optim.lr 1e-6`) parsed by tyro on top of both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from tinyzero.algorithms.config import AlgorithmConfig
+from tinyzero.data.config import DataConfig
+from tinyzero.rewards.config import RewardConfig
+from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
+
+MODES = ("ppo", "sft", "rm", "dpo")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
+
+
+@dataclass
+class TrainerConfig:
+    """The run itself: length, logging, validation, checkpoints, placement (veRL: `trainer`)."""
+
+    mode: Literal["ppo", "sft", "rm", "dpo"] = "ppo"
+    """What to train: "ppo" (any RL estimator: GAE/PPO, GRPO, RLOO, ...), "sft", "rm" (Bradley-Terry
+    reward model) or "dpo". `train.py sft ...` sets it from the first argument."""
+    project_name: str = "tinyzero"
+    """Project name (TensorBoard / W&B grouping)."""
+    experiment_name: str = "run"
+    """Run name (TensorBoard / W&B run)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Loggers: any of "console", "jsonl" (metrics.jsonl in the run folder), "tensorboard", "wandb"."""
+    default_local_dir: str = "runs/tinyzero"
+    """The run folder: config.yaml, metrics.jsonl, samples.jsonl, checkpoints/, hf export, plots."""
+    total_epochs: int = 1
+    """Passes over the training data."""
+    total_training_steps: int | None = None
+    """Cap on training steps; None = total_epochs x batches per epoch."""
+    seed: int = 1
+    """Seed of everything the trainer draws (data order, sampling)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the run: "auto" takes CUDA when available."""
+    placement: Literal["colocate", "split"] = "colocate"
+    """"colocate": actor/rollout, ref, critic and reward model share every rank (one process per rank
+    holds them all). "split": actor/rollout/ref on the first `actor_pool_size` ranks, critic and
+    reward model on the rest; the two pools compute concurrently."""
+    actor_pool_size: int = 0
+    """Split placement only: ranks of the actor pool (0 = half the world)."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts learning (GAE only)."""
+    balance_batch: bool = True
+    """Reorder responses so every data-parallel rank gets about the same number of tokens."""
+    test_freq: int = -1
+    """Validate every this many steps (-1: only at the end)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Validate and exit."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (-1: only at the end)."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """"auto": continue from the latest checkpoint in the run folder if there is one; "disable": start
+    fresh; "resume_path": continue from `resume_from_path`."""
+    resume_from_path: str = ""
+    """Checkpoint folder to continue from with resume_mode="resume_path"."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only this many latest checkpoints (None: keep all)."""
+    export_hf: bool = True
+    """Write the final actor (or the SFT/RM model) as an HF model folder to RUN/hf_model."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """On a non-finite loss or gradient norm: "stop" raises (the last checkpoint stays intact), "skip"
+    drops the batch's update and continues."""
+    log_samples: int = 4
+    """(prompt, response, score) rows written to samples.jsonl per step (0: none)."""
+    log_val_generations: int = 4
+    """Validation samples written to samples.jsonl at each validation."""
+    progress_bar: bool = True
+    """Show a progress bar with ETA on rank 0 (console logger)."""
+    plot: bool = True
+    """Draw the curves (PNG) into the run folder at the end (needs matplotlib)."""
+
+    def __post_init__(self):
+        known = ("console", "jsonl", "tensorboard", "wandb")
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        for name in self.logger:
+            if name not in known:
+                raise ValueError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
+                                 f"choose from {list(known)}")
+        for name in ("total_epochs",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.total_training_steps is not None and self.total_training_steps < 1:
+            raise ValueError(f"trainer.total_training_steps must be >= 1 or None (got {self.total_training_steps})")
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError('trainer.resume_mode="resume_path" needs trainer.resume_from_path=<checkpoint dir>')
+        if self.test_freq == 0 or self.save_freq == 0:
+            raise ValueError("trainer.test_freq / trainer.save_freq must be a positive step count or -1 (off)")
+        if self.critic_warmup < 0:
+            raise ValueError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation on a pairwise parquet (trainer.mode="dpo")."""
+
+    beta: float = 0.1
+    """Inverse temperature of the implicit reward (larger keeps the policy nearer the reference)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: assumed probability that a preference label is flipped (0 <= eps < 0.5)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """"sigmoid": the DPO loss; "ipo": identity preference optimisation (squared loss)."""
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ValueError(f"dpo.beta must be > 0 (got {self.beta})")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5) (got {self.label_smoothing})")
+
+
+@dataclass
+class Config:
+    """tinyzero run configuration (veRL ppo_trainer.yaml sections)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and lengths."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """The policy: model, PPO update, rollout engine, reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (GAE only)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A learned reward model (optional)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rule-based reward scoring."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and KL control."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The run: length, logging, checkpoints, placement."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """DPO loss settings (trainer.mode="dpo")."""
+
+    def __post_init__(self):
+        check_config(self)
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether the run trains a value model (GAE advantages)."""
+        return self.trainer.mode == "ppo" and self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether the run needs a frozen reference policy."""
+        if self.trainer.mode == "dpo":
+            return True
+        return self.trainer.mode == "ppo" and (
+            self.algorithm.use_kl_in_reward or self.actor_rollout_ref.actor.use_kl_loss)
+
+
+# --------------------------------------------------------------------------- cross-field checks
+
+
+def check_config(cfg: Config) -> None:
+    """Checks that need no world size (run when the config is built)."""
+    arr = cfg.actor_rollout_ref
+    if cfg.trainer.mode != "ppo":
+        return
+    n = arr.rollout.n
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
+                         f"group: set actor_rollout_ref.rollout.n >= 2 (got {n})")
+    if cfg.data.train_batch_size < arr.actor.ppo_mini_batch_size:
+        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
+                         f"data.train_batch_size={cfg.data.train_batch_size}; lower the mini-batch size")
+    if cfg.data.train_batch_size % arr.actor.ppo_mini_batch_size:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                         f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size}")
+    if arr.rollout.response_length not in (None, 0) and arr.rollout.response_length != cfg.data.max_response_length:
+        pass  # the trainer copies data lengths into the rollout config (see sync_derived_fields)
+
+
+def sync_derived_fields(cfg: Config) -> Config:
+    """Copy the values one section derives from another (veRL does this with ${...} interpolation)."""
+    arr = cfg.actor_rollout_ref
+    arr.rollout.prompt_length = cfg.data.max_prompt_length
+    arr.rollout.response_length = cfg.data.max_response_length
+    cfg.critic.rollout_n = arr.rollout.n
+    if not cfg.critic.model.path:
+        cfg.critic.model.path = arr.model.path
+    if not cfg.critic.model.tokenizer_path:
+        cfg.critic.model.tokenizer_path = arr.model.tokenizer_path
+    return cfg
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size (run at start-up), with the setting to change in each message."""
+    arr = cfg.actor_rollout_ref
+    actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
+    tp = arr.rollout.tensor_model_parallel_size
+    if actor_ranks % tp:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the actor pool "
+                         f"size {actor_ranks}; set it to a divisor of {actor_ranks}")
+    if cfg.trainer.mode != "ppo":
+        per = cfg.data.train_batch_size
+        if per % world_size:
+            raise ValueError(f"data.train_batch_size={per} must be divisible by the {world_size} ranks; "
+                             f"set it to a multiple of {world_size}")
+        return
+    n = arr.rollout.n
+    _check_batch("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, n, actor_ranks,
+                 arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.use_dynamic_bsz)
+    rows = cfg.data.train_batch_size * n
+    if rows % actor_ranks:
+        raise ValueError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
+                         f"{actor_ranks} actor ranks; make data.train_batch_size a multiple of {actor_ranks}")
+    if cfg.use_critic:
+        _check_batch("critic", cfg.critic.ppo_mini_batch_size, n, critic_ranks,
+                     cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz)
+        if rows % critic_ranks:
+            raise ValueError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
+                             f"{critic_ranks} critic ranks; make data.train_batch_size a multiple of {critic_ranks}")
+
+
+def _check_batch(section: str, mini: int, n: int, ranks: int, micro: int | None, dynamic: bool) -> None:
+    rows = mini * n
+    if rows % ranks:
+        raise ValueError(f"{section}.ppo_mini_batch_size x rollout.n = {rows} rows do not split over {ranks} ranks; "
+                         f"make {section}.ppo_mini_batch_size a multiple of {ranks}")
+    per_rank = rows // ranks
+    if micro is not None and not dynamic and per_rank % micro:
+        raise ValueError(f"{section}: each rank gets {per_rank} rows per mini-batch (ppo_mini_batch_size {mini} x "
+                         f"n {n} / {ranks} ranks), not a multiple of ppo_micro_batch_size_per_gpu={micro}; "
+                         f"set ppo_micro_batch_size_per_gpu to a divisor of {per_rank}")
+
+
+def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:
+    """(actor pool size, critic pool size) for the placement."""
+    if cfg.trainer.placement == "colocate":
+        return world_size, world_size
+    if world_size < 2:
+        raise ValueError('trainer.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
+    actor = cfg.trainer.actor_pool_size or world_size // 2
+    if not 0 < actor < world_size:
+        raise ValueError(f"trainer.actor_pool_size={cfg.trainer.actor_pool_size} must leave ranks for the critic "
+                         f"(1..{world_size - 1}) with {world_size} ranks")
+    return actor, world_size - actor
+
+
+def check_model_context(cfg: Config, max_position_embeddings: int) -> None:
+    """Prompt + response must fit the model's context window."""
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if total > max_position_embeddings:
+        raise ValueError(f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
+                         f"max_position_embeddings={max_position_embeddings}; lower one of them")
+
+
+# --------------------------------------------------------------------------- dict / YAML round trip
+
+
+def to_dict(cfg: Any) -> Any:
+    """A config as plain dicts / lists / scalars (YAML-safe)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def _nearest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def merge_dict(base: Any, values: dict, path: str = "") -> Any:
+    """A copy of dataclass `base` with `values` (nested dicts) applied; unknown keys raise ValueError."""
+    if not isinstance(values, dict):
+        raise ValueError(f"config section {path or '<root>'} must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(type(base))
+    names = [f.name for f in dataclasses.fields(base)]
+    changes = {}
+    for key, value in values.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ValueError(f"unknown config key {where!r}{_nearest(str(key), names)}; "
+                             f"valid keys here: {', '.join(names)}")
+        current = getattr(base, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            changes[key] = merge_dict(current, value, where)
+        else:
+            changes[key] = _coerce(value, hints.get(key))
+    try:
+        return dataclasses.replace(base, **changes)
+    except TypeError as e:
+        raise ValueError(f"config section {path or '<root>'}: {e}") from e
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """YAML lists back to tuples where the field is a tuple."""
+    origin = typing.get_origin(hint)
+    if isinstance(value, list) and (origin is tuple or hint is tuple):
+        return tuple(value)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in typing.get_args(hint):
+            if typing.get_origin(arg) is tuple and isinstance(value, list):
+                return tuple(value)
+    return value
+
+
+def dump_yaml(cfg: Config, path: str) -> None:
+    """Write the resolved config (rerun it with `--config path`)."""
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+
+
+def load_yaml(path: str, base: Config | None = None) -> Config:
+    """Read a (full or partial) YAML config on top of `base` (default: Config())."""
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    return merge_dict(base if base is not None else Config(), values)
+
+
+# --------------------------------------------------------------------------- presets and CLI
+
+
+def load_preset(name: str) -> Config:
+    """The root config a preset function in tinyzero.configs returns."""
+    from tinyzero.configs import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}{_nearest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]()
+
+
+def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
+    out, value, i = [], None, 0
+    while i < len(args):
+        a = args[i]
+        if a == flag:
+            if i + 1 >= len(args):
+                raise ValueError(f"{flag} needs a value")
+            value, i = args[i + 1], i + 2
+            continue
+        if a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+        else:
+            out.append(a)
+        i += 1
+    return out, value
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """`[MODE] [--preset NAME] [--config FILE] [--section.field VALUE ...]` -> Config.
+
+    MODE (ppo|sft|rm|dpo) sets trainer.mode; the preset gives the defaults, the YAML file overrides
+    them, the flags override both.
+    """
+    import tyro
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    mode = None
+    if args and args[0] in MODES:
+        mode = args.pop(0)
+    args, preset = _pop_option(args, "--preset")
+    args, config_path = _pop_option(args, "--config")
+    base = load_preset(preset) if preset else Config()
+    if config_path:
+        base = load_yaml(config_path, base)
+    if mode is not None:
+        base = merge_dict(base, {"trainer": {"mode": mode}})
+    from tinyzero.configs import PRESETS
+
+    description = (
+        "tinyzero: RL post-training (PPO/GRPO/...), SFT, RM and DPO.\n\n"
+        "usage: train.py [ppo|sft|rm|dpo] [--preset NAME] [--config run.yaml] [--section.field VALUE ...]\n"
+        f"presets: {', '.join(sorted(PRESETS))}"
+    )
+    cfg = tyro.cli(Config, default=base, args=args, description=description, use_underscores=True)
+    return cfg

@@ -1,0 +1,154 @@
+"""Step metrics with veRL's names: data statistics, timing, throughput, rollout/trainer mismatch.
+
+    with timer("gen", timing):           # timing_s/gen
+        ...
+    metrics.update(compute_data_metrics(batch, use_critic))
+    metrics.update(compute_timing_metrics(batch, timing))
+    metrics.update(compute_throughput_metrics(batch, timing, num_ranks))
+
+Every function reads a DataProto after the step's phases and returns {name: float}; values are
+reduced on the device and turned into Python floats once, at the end of each function.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from tinyzero.protocol import DataProto
+
+
+@contextmanager
+def timer(name: str, timing: dict[str, float]):
+    """Add the wall time of the block to timing[name] (seconds)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    if values.numel() == 0:
+        values = torch.zeros(1)
+    values = values.float()
+    return {f"{prefix}/mean": values.mean(), f"{prefix}/max": values.max(), f"{prefix}/min": values.min()}
+
+
+def _lengths(batch: DataProto) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    responses = batch.batch["responses"]
+    max_resp = responses.shape[-1]
+    attn = batch.batch["attention_mask"]
+    prompt_mask = attn[:, :-max_resp]
+    response_mask = batch.batch["response_mask"] if "response_mask" in batch.batch else attn[:, -max_resp:]
+    return prompt_mask.sum(-1).float(), response_mask.sum(-1).float(), prompt_mask.shape[-1], max_resp
+
+
+def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
+    """critic/score|rewards|advantages|returns|values, response_length/*, prompt_length/* (veRL)."""
+    b = batch.batch
+    prompt_len, response_len, max_prompt, max_resp = _lengths(batch)
+    mask = (b["response_mask"] if "response_mask" in b else b["attention_mask"][:, -max_resp:]).bool()
+    out: dict[str, torch.Tensor] = {}
+    out.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
+    rewards = b["token_level_rewards"] if "token_level_rewards" in b else b["token_level_scores"]
+    out.update(_stats("critic/rewards", rewards.sum(-1)))
+    if "advantages" in b:
+        out.update(_stats("critic/advantages", torch.masked_select(b["advantages"], mask)))
+        out.update(_stats("critic/returns", torch.masked_select(b["returns"], mask)))
+    if use_critic and "values" in b:
+        values = torch.masked_select(b["values"], mask)
+        returns = torch.masked_select(b["returns"], mask)
+        out.update(_stats("critic/values", values))
+        var_returns = torch.var(returns)
+        out["critic/vf_explained_var"] = 1.0 - torch.var(returns - values) / (var_returns + 1e-5)
+    out.update(_stats("response_length", response_len))
+    out["response_length/clip_ratio"] = (response_len >= max_resp).float().mean()
+    out.update(_stats("prompt_length", prompt_len))
+    out["prompt_length/clip_ratio"] = (prompt_len >= max_prompt).float().mean()
+    if "rollout_log_probs" in b and "old_log_probs" in b:
+        out.update(rollout_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"], mask))
+    return {k: float(v) for k, v in out.items()}
+
+
+def rollout_mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                             mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the sampler's token probabilities are from the trainer's (veRL: training/rollout_probs_diff_*)."""
+    mask = mask.bool()
+    if not mask.any():
+        return {}
+    diff = torch.masked_select((rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs(), mask)
+    log_diff = torch.masked_select((rollout_log_probs.float() - old_log_probs.float()).abs(), mask)
+    return {
+        "training/rollout_probs_diff_max": diff.max(),
+        "training/rollout_probs_diff_mean": diff.mean(),
+        "training/rollout_probs_diff_std": diff.std() if diff.numel() > 1 else torch.zeros(()),
+        "training/rollout_log_probs_diff_mean": log_diff.mean(),
+    }
+
+
+def compute_timing_metrics(batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+    """timing_s/<phase> and timing_per_token_ms/<phase> (per prompt+response token the phase touched)."""
+    prompt_len, response_len, _, _ = _lengths(batch)
+    num_prompt, num_response = float(prompt_len.sum()), float(response_len.sum())
+    tokens = {"gen": num_response}
+    all_tokens = num_prompt + num_response
+    out = {f"timing_s/{k}": v for k, v in timing.items()}
+    for name, value in timing.items():
+        if name == "step":
+            continue
+        denom = tokens.get(name, all_tokens)
+        if denom > 0:
+            out[f"timing_per_token_ms/{name}"] = value * 1000.0 / denom
+    return out
+
+
+def compute_throughput_metrics(batch: DataProto, timing: dict[str, float], num_ranks: int) -> dict[str, float]:
+    """perf/total_num_tokens, perf/time_per_step, perf/throughput (tokens per second per rank)."""
+    total = float(batch.batch["attention_mask"].sum())
+    step = timing.get("step", 0.0)
+    out = {"perf/total_num_tokens": total, "perf/time_per_step": step}
+    if step > 0:
+        out["perf/throughput"] = total / (step * max(num_ranks, 1))
+    gen = timing.get("gen", 0.0)
+    if gen > 0:
+        _, response_len, _, _ = _lengths(batch)
+        out["perf/gen_tokens_per_s"] = float(response_len.sum()) / gen
+    return out
+
+
+def max_memory_allocated_gb(device: torch.device) -> float:
+    """Peak accelerator memory of this process (0 on CPU, where torch does not track it)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return 0.0
+
+
+def reduce_metrics(metrics: dict) -> dict[str, float]:
+    """Lists of per-micro-batch / per-rank values -> their mean; scalars pass through."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (list, tuple, np.ndarray)):
+            arr = np.asarray([float(v) for v in value], dtype=np.float64)
+            out[key] = float(arr.mean()) if arr.size else 0.0
+        elif isinstance(value, torch.Tensor):
+            out[key] = float(value.float().mean())
+        else:
+            out[key] = float(value)
+    return out
+
+
+def merge_worker_metrics(outputs) -> dict[str, float]:
+    """Metrics from a worker call: a DataProto (meta_info["metrics"]) or a list of them (one per worker)."""
+    if isinstance(outputs, DataProto):
+        outputs = [outputs]
+    merged: dict[str, list] = {}
+    for out in outputs:
+        if out is None:
+            continue
+        for key, value in (out.meta_info.get("metrics", {}) if isinstance(out, DataProto) else out).items():
+            merged.setdefault(key, []).extend(value if isinstance(value, (list, tuple)) else [value])
+    return reduce_metrics(merged)

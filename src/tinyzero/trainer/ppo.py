@@ -1,0 +1,264 @@
+"""The PPO-family trainer: one step is rollout -> score -> advantages -> critic update -> actor update.
+
+Every rank runs this loop on the same replicated batch (SPMD); worker-group calls dispatch
+shares of it to the roles and hand every rank the gathered result (see single_controller).
+The estimator (GAE with a critic, GRPO, RLOO, REINFORCE++, ...) comes from the
+`tinyzero.algorithms` registry, so this file has no per-algorithm branches beyond "is there
+a critic / a reference / a reward model".
+
+    trainer = build_ppo_trainer(cfg)     # tinyzero.trainer.builder
+    trainer.fit()
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from tinyzero.algorithms.advantages import compute_advantage
+from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
+from tinyzero.protocol import DataProto
+from tinyzero.trainer.balance import balance_batch
+from tinyzero.trainer.checkpoint import (
+    CheckpointManager,
+    load_rng_state,
+    load_trainer_state,
+    save_rng_state,
+    save_trainer_state,
+)
+from tinyzero.trainer.metrics import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    max_memory_allocated_gb,
+    merge_worker_metrics,
+    timer,
+)
+from tinyzero.trainer.validation import validate
+
+GEN_KEYS = ("input_ids", "attention_mask", "position_ids")
+GEN_NON_TENSOR_KEYS = ("raw_prompt_ids",)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm was NaN/inf; the step's update was not applied."""
+
+
+class PPOTrainer:
+    """Drives the roles through PPO steps; owns the step counter, KL controller, logging, checkpoints."""
+
+    def __init__(self, config, roles, tokenizer, train_loader, val_dataset, reward_fn, val_reward_fn, tracker,
+                 total_steps: int, world_size: int, device: torch.device):
+        self.config = config
+        self.roles = roles  # .actor_rollout (always), .critic, .reward_model (or None)
+        self.tokenizer = tokenizer
+        self.train_loader = train_loader
+        self.val_dataset = val_dataset
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.tracker = tracker
+        self.total_steps = total_steps
+        self.world_size = world_size
+        self.device = device
+        self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
+        self.global_step = 0
+        self.ckpt = CheckpointManager(os.path.join(config.trainer.default_local_dir, "checkpoints"),
+                                      keep_last=config.trainer.max_ckpt_to_keep)
+        self._batches = None
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train to `total_steps`; returns the last step's metrics (with the final validation)."""
+        self.load_checkpoint()
+        last: dict[str, float] = {}
+        trainer = self.config.trainer
+        if trainer.val_before_train and self.global_step == 0 and self.val_dataset is not None:
+            last = self.validate()
+            self.tracker.log(last, step=0)
+            if trainer.val_only:
+                return last
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            metrics, timing = {}, {}
+            with timer("step", timing):
+                batch = self.next_batch()
+                batch = self.rollout(batch, timing, metrics)
+                batch = self.score(batch, timing, metrics)
+                batch = self.compute_advantages(batch, timing, metrics)
+                self.update_critic(batch, timing, metrics)
+                self.update_actor(batch, timing, metrics)
+            metrics.update(self.step_metrics(batch, timing))
+            metrics.update(self.maybe_validate())
+            self.maybe_save()
+            self.tracker.log(metrics, step=self.global_step)
+            last = metrics
+        return last
+
+    def next_batch(self) -> DataProto:
+        """The next prompt batch (epochs roll over inside; resumable through the loader's state)."""
+        if self._batches is None:
+            self._batches = self._iterate()
+        batch = next(self._batches)
+        batch.non_tensor_batch["uid"] = np.array([f"{self.global_step}-{i}" for i in range(len(batch))],
+                                                 dtype=object)
+        return batch
+
+    def _iterate(self):
+        while True:
+            yield from self.train_loader
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
+        """Generate n responses per prompt, then the actor's (and reference's, critic's) view of them."""
+        n = self.config.actor_rollout_ref.rollout.n
+        gen_batch = batch.pop(batch_keys=list(GEN_KEYS), non_tensor_batch_keys=list(GEN_NON_TENSOR_KEYS))
+        gen_batch.meta_info.update(self._gen_meta(do_sample=True))
+        with timer("gen", timing):
+            gen = self.roles.actor_rollout.generate_sequences(gen_batch)
+        metrics.update(merge_worker_metrics(gen))
+        batch = batch.repeat(n, interleave=True).union(gen)
+        if self.config.trainer.balance_batch:
+            balance_batch(batch, self.roles.actor_rollout_dp_size, metrics)
+        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+        with timer("old_log_prob", timing):
+            old = self.roles.actor_rollout.compute_log_prob(batch)
+            metrics.update(merge_worker_metrics(old))
+            batch = batch.union(old)
+        if self.config.use_reference:
+            with timer("ref", timing):
+                batch = batch.union(self.roles.actor_rollout.compute_ref_log_prob(batch))
+        if self.roles.critic is not None:
+            with timer("values", timing):
+                batch = batch.union(self.roles.critic.compute_values(batch))
+        return batch
+
+    def _gen_meta(self, do_sample: bool, validate: bool = False) -> dict:
+        rollout = self.config.actor_rollout_ref.rollout
+        meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id,
+                "do_sample": do_sample, "validate": validate, "global_steps": self.global_step,
+                # Sampling depends only on (seed, step), so a resumed run draws what the original drew.
+                "seed": rollout.seed + 7919 * self.global_step + (104729 if validate else 0)}
+        if validate:
+            vk = rollout.val_kwargs
+            meta.update(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
+                        do_sample=vk.do_sample)
+        return meta
+
+    def score(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
+        """Model reward (if any) + rule rewards -> token_level_scores; KL in reward -> token_level_rewards."""
+        with timer("reward", timing):
+            if self.roles.reward_model is not None:
+                batch = batch.union(self.roles.reward_model.compute_rm_score(batch))
+            out = self.reward_fn(batch)
+            batch.batch["token_level_scores"] = out.token_level_scores
+            metrics.update(out.metrics)
+            self._log_samples(out.samples, "train")
+        if self.config.algorithm.use_kl_in_reward:
+            batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, self.config.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        return batch
+
+    def compute_advantages(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
+        alg = self.config.algorithm
+        with timer("adv", timing):
+            return compute_advantage(batch, alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+                                     num_repeat=self.config.actor_rollout_ref.rollout.n,
+                                     norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
+
+    def update_critic(self, batch: DataProto, timing: dict, metrics: dict) -> None:
+        if self.roles.critic is None:
+            return
+        with timer("update_critic", timing):
+            out = merge_worker_metrics(self.roles.critic.update_critic(batch))
+        self._check_finite(out, ("critic/vf_loss", "critic/grad_norm"), "critic/num_skipped_steps")
+        metrics.update(out)
+
+    def update_actor(self, batch: DataProto, timing: dict, metrics: dict) -> None:
+        if self.global_step <= self.config.trainer.critic_warmup:
+            return
+        batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        with timer("update_actor", timing):
+            out = merge_worker_metrics(self.roles.actor_rollout.update_actor(batch))
+        self._check_finite(out, ("actor/pg_loss", "actor/grad_norm"), "actor/num_skipped_steps")
+        metrics.update(out)
+
+    def _check_finite(self, metrics: dict, names: tuple[str, ...], skipped_key: str) -> None:
+        bad = [n for n in names if n in metrics and not math.isfinite(metrics[n])]
+        if metrics.get(skipped_key, 0) > 0:
+            bad.append(f"{skipped_key}={metrics[skipped_key]:g}")
+        if not bad:
+            return
+        msg = (f"step {self.global_step}: non-finite {', '.join(bad)}; the optimizer step was not applied")
+        if self.config.trainer.nonfinite == "stop":
+            raise NonFiniteError(msg + ". The last checkpoint in "
+                                 f"{self.ckpt.root} is intact; lower the learning rate, check the data, "
+                                 "or set --trainer.nonfinite skip to drop such batches")
+        self.tracker.print(f"[tinyzero] warning: {msg}; skipping the batch (trainer.nonfinite=skip)")
+
+    # ------------------------------------------------------------------ validation, metrics, samples
+    def maybe_validate(self) -> dict[str, float]:
+        freq = self.config.trainer.test_freq
+        last = self.global_step == self.total_steps
+        if self.val_dataset is None or not (last or (freq > 0 and self.global_step % freq == 0)):
+            return {}
+        return self.validate()
+
+    def validate(self) -> dict[str, float]:
+        metrics, samples = validate(self, self.val_dataset, self.val_reward_fn)
+        self._log_samples(samples, "val", self.config.trainer.log_val_generations)
+        return metrics
+
+    def step_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
+        out = compute_data_metrics(batch, use_critic=self.roles.critic is not None)
+        out.update(compute_timing_metrics(batch, timing))
+        out.update(compute_throughput_metrics(batch, timing, self.world_size))
+        out["perf/max_memory_allocated_gb"] = max_memory_allocated_gb(self.device)
+        out["training/global_step"] = float(self.global_step)
+        out["training/epoch"] = float(self.train_loader.epoch)
+        return out
+
+    def _log_samples(self, samples: list[dict], split: str, limit: int | None = None) -> None:
+        limit = self.config.trainer.log_samples if limit is None else limit
+        if samples and limit > 0:
+            self.tracker.log_samples(samples[:limit], step=self.global_step, split=split)
+
+    # ------------------------------------------------------------------ checkpoints
+    def maybe_save(self) -> None:
+        freq = self.config.trainer.save_freq
+        if self.global_step == self.total_steps or (freq > 0 and self.global_step % freq == 0):
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Roles write their shards into a temporary folder; finalize seals it (atomic rename)."""
+        tmp = self.ckpt.begin_save(self.global_step)
+        self.roles.actor_rollout.save_checkpoint(f"{tmp}/actor", self.global_step)
+        if self.roles.critic is not None:
+            self.roles.critic.save_checkpoint(f"{tmp}/critic", self.global_step)
+        save_rng_state(tmp)
+        save_trainer_state(tmp, {"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
+                                 "kl_coef": float(self.kl_ctrl.value)})
+        self.ckpt.finalize(self.global_step, tmp)
+
+    def load_checkpoint(self) -> None:
+        """resume_mode auto / resume_path: restore roles, data position, step, KL coefficient, RNG."""
+        trainer = self.config.trainer
+        resume = trainer.resume_from_path if trainer.resume_mode == "resume_path" else trainer.resume_mode
+        step_dir = self.ckpt.resolve_resume(resume)
+        if step_dir is None:
+            self.tracker.start(0)
+            return
+        state = load_trainer_state(step_dir)
+        self.roles.actor_rollout.load_checkpoint(f"{step_dir}/actor")
+        if self.roles.critic is not None:
+            self.roles.critic.load_checkpoint(f"{step_dir}/critic")
+        load_rng_state(step_dir, seed=trainer.seed)
+        self.train_loader.load_state_dict(state["dataloader"])
+        self.global_step = int(state["global_step"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+        self.tracker.start(self.global_step + 1)
+        self.tracker.print(f"[tinyzero] resumed from {step_dir} (step {self.global_step})")
