@@ -1,0 +1,122 @@
+"""Rollout configuration (field names follow veRL's `actor_rollout_ref.rollout`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ENGINE_NAMES = ("native", "vllm")
+DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+NATIVE_IMPLS = ("auto", "fused", "hf")
+
+
+def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, n: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"{prefix}temperature={temperature} must be >= 0 (0 means greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{prefix}top_p={top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling")
+    if top_k < -1 or top_k == 0:
+        raise ValueError(f"{prefix}top_k={top_k} must be -1 (disabled) or a positive count")
+    if n < 1:
+        raise ValueError(f"{prefix}n={n} must be >= 1")
+
+
+@dataclass
+class ValKwargs:
+    """Sampling used for validation (veRL: `rollout.val_kwargs`)."""
+
+    n: int = 1
+    """Responses per validation prompt."""
+    temperature: float = 0.0
+    """Validation sampling temperature (ignored when do_sample is False)."""
+    top_p: float = 1.0
+    """Validation nucleus-sampling mass."""
+    top_k: int = -1
+    """Validation top-k; -1 disables."""
+    do_sample: bool = False
+    """False: greedy validation (the default, as in veRL)."""
+
+    def __post_init__(self):
+        _check_sampling("rollout.val_kwargs.", self.temperature, self.top_p, self.top_k, self.n)
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are generated during RL (veRL: `actor_rollout_ref.rollout`)."""
+
+    name: str = "native"
+    """Engine: "native" (torch only, CPU and GPU) or "vllm" (in-process vLLM)."""
+    n: int = 1
+    """Responses sampled per prompt (GRPO / RLOO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are reported for log_softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    prompt_length: int = 512
+    """Longest prompt in tokens (the dataloader left-pads to data.max_prompt_length)."""
+    response_length: int = 512
+    """Maximum new tokens per response; responses are right-padded to this length."""
+    do_sample: bool = True
+    """False: greedy decoding for training rollouts too (validation uses val_kwargs)."""
+    seed: int = 0
+    """Base seed of the sampler; the same prompts, seed and weights give the same responses."""
+    dtype: str = "auto"
+    """Dtype of the engine's weights: "auto" is bf16 on GPU and fp32 on CPU."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of device memory the engine may use (weights + KV cache) on GPU."""
+    cpu_kv_cache_mb: int = 0
+    """vLLM on CPU: KV-cache size in MiB per rank; 0 sizes it for one full batch of max_num_seqs."""
+    tensor_model_parallel_size: int = 1
+    """vLLM: ranks per tensor-parallel group (consecutive ranks); data-parallel across groups."""
+    enforce_eager: bool = True
+    """vLLM: run eagerly (no CUDA graphs / torch.compile)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: tokens per scheduler step (chunked prefill budget)."""
+    max_num_seqs: int = 256
+    """vLLM: most sequences in flight at once; native: largest batch decoded at once."""
+    free_cache_engine: bool = True
+    """vLLM on GPU: sleep after generation to free the KV cache (and weights) for training."""
+    sleep_level: int = 1
+    """vLLM sleep level: 1 offloads weights to host memory, 2 discards them (they are re-synced)."""
+    weight_sync_bucket_mb: int = 512
+    """Weights are gathered from the FSDP2 shards and pushed to the engine in buckets of this size."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Micro-batch size when the rollout worker recomputes log-probs (actor `compute_log_prob`)."""
+    native_impl: str = "auto"
+    """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
+    Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling used for validation."""
+
+    def __post_init__(self):
+        if isinstance(self.val_kwargs, dict):
+            self.val_kwargs = ValKwargs(**self.val_kwargs)
+        if self.name not in ENGINE_NAMES:
+            raise ValueError(f"rollout.name={self.name!r} is not one of {ENGINE_NAMES}")
+        _check_sampling("rollout.", self.temperature, self.top_p, self.top_k, self.n)
+        if self.prompt_length < 1 or self.response_length < 1:
+            raise ValueError("rollout.prompt_length and rollout.response_length must be >= 1")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} is not one of {DTYPE_NAMES}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.cpu_kv_cache_mb < 0:
+            raise ValueError("rollout.cpu_kv_cache_mb must be >= 0 (0 sizes it automatically)")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError("rollout.tensor_model_parallel_size must be >= 1")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("rollout.max_num_batched_tokens and rollout.max_num_seqs must be >= 1")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
+        if self.weight_sync_bucket_mb < 1:
+            raise ValueError("rollout.weight_sync_bucket_mb must be >= 1")
+        if self.log_prob_micro_batch_size_per_gpu < 1:
+            raise ValueError("rollout.log_prob_micro_batch_size_per_gpu must be >= 1")
+        if self.native_impl not in NATIVE_IMPLS:
+            raise ValueError(f"rollout.native_impl={self.native_impl!r} is not one of {NATIVE_IMPLS}")
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus response tokens: the longest sequence an engine must hold."""
+        return self.prompt_length + self.response_length

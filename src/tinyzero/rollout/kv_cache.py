@@ -1,0 +1,36 @@
+"""Preallocated (static) key/value cache for one decoder layer, in the style of gpt-fast.
+
+Prompts are left-padded to one length P, so at every step all sequences write the same
+cache slot: slot s holds position s of the padded sequence. `update(start, k, v)` writes
+slots [start, start + T) and returns views of the filled slots [0, start + T) for attention;
+padded slots are hidden by the attention mask, never by moving data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer: (batch, kv_heads, max_len, head_dim) each."""
+
+    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k_cache.shape[2]
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (batch, kv_heads, T, head_dim) at slots [start, start+T); return the filled prefix."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: writing up to slot {end} of {self.max_len}")
+        self.k_cache[:, :, start:end] = k
+        self.v_cache[:, :, start:end] = v
+        return self.k_cache[:, :, :end], self.v_cache[:, :, :end]

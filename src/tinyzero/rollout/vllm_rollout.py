@@ -1,0 +1,82 @@
+"""The vLLM rollout engine: an in-process vLLM per rank behind the rollout interface.
+
+Every rank of the torchrun world builds its engine (`external_launcher`); ranks
+[k*tp, (k+1)*tp) form tensor-parallel group k and must call generate_sequences with the same
+prompts (the worker dispatches by data-parallel rank = rank // tp) and the same call order,
+which also keeps their seeds equal. The engine starts from dummy weights: the trainer pushes
+real ones with `update_weights` before the first rollout.
+
+GPU memory phases (driven by the worker, in this order so weights stay valid):
+    engine.wake_up(["weights"]); engine.update_weights(...); engine.wake_up(["kv_cache"])
+    out = engine.generate_sequences(batch); engine.sleep()
+On CPU, sleep / wake_up do nothing (vLLM has no sleep mode there).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tinyzero.protocol import DataProto
+from tinyzero.rollout import vllm_backend
+from tinyzero.rollout.config import RolloutConfig
+from tinyzero.rollout.native import resolve_dtype
+from tinyzero.rollout.outputs import (
+    build_output,
+    check_prompt_batch,
+    pad_responses,
+    raw_prompt_token_ids,
+    repeat_prompts,
+)
+from tinyzero.rollout.sampling import resolve_sampling_params
+
+
+class VLLMRollout:
+    """Rollout engine over `vllm.LLM` (see module docstring)."""
+
+    def __init__(self, config: RolloutConfig, model_path: str, hf_config, device: torch.device | str,
+                 dp_rank: int = 0, load_dummy: bool = True, trust_remote_code: bool = False):
+        reason = vllm_backend.vllm_available()
+        if reason is not None:
+            raise ValueError(f"rollout.name='vllm' but {reason}; install vllm or set rollout.name='native'")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dp_rank = dp_rank
+        self.num_calls = 0
+        self.llm = vllm_backend.make_llm(model_path, config, hf_config, self.dtype, seed=config.seed,
+                                         load_dummy=load_dummy, trust_remote_code=trust_remote_code)
+        self._asleep = False
+        self._warned_truncation = False
+
+    def update_weights(self, named_tensors) -> None:
+        """Load (hf_name, full tensor) pairs (consumed lazily, layer by layer); resets the prefix cache."""
+        vllm_backend.sync_weights(self.llm, named_tensors)
+
+    def sleep(self) -> None:
+        if self.config.free_cache_engine and not self._asleep:
+            vllm_backend.sleep(self.llm, self.config.sleep_level)
+            self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self._asleep:
+            vllm_backend.wake_up(self.llm, tags)
+            if tags is None or "kv_cache" in tags:
+                self._asleep = False
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        check_prompt_batch(prompts)
+        seed = self.config.seed * 1_000_003 + self.num_calls * 7_919 + self.dp_rank * 100_003
+        params = resolve_sampling_params(self.config, prompts.meta_info, seed)
+        self.num_calls += 1
+        if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_truncation:
+            warnings.warn("vLLM reports log-probs of the top-k/top-p truncated distribution; the trainer "
+                          "recomputes untruncated ones, so rollout and trainer log-probs differ", stacklevel=2)
+            self._warned_truncation = True
+        tokens, logprobs = vllm_backend.generate(self.llm, raw_prompt_token_ids(prompts), params, params.seed)
+        responses, response_mask, log_probs = pad_responses(
+            tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids)
+        ids, mask, pos = repeat_prompts(prompts, params.n)
+        meta = {"temperature": params.temperature if not params.greedy else 1.0}
+        return build_output(ids.cpu(), mask.cpu(), pos.cpu(), responses, response_mask, log_probs, meta_info=meta)
