@@ -1,6 +1,6 @@
 """GSM8K reward: the final answer after "####" (strict) or the last number (flexible).
 
-strict:   the last "#### <number>" in the response; commas and "$" are removed.
+strict:   the last "#### <number>" (an optional "$" allowed) in the response; commas removed.
 flexible: the last number-looking run of digits, dots and commas that is not just "."; commas
           removed and trailing dots dropped ("... is 42." gives "42").
 The extracted string is compared with the ground truth (itself stripped of commas) as a
@@ -15,7 +15,7 @@ import re
 
 __all__ = ["compute_score", "score_details", "extract_solution"]
 
-_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+_STRICT_RE = re.compile(r"#### \$?(\-?[0-9\.\,]+)")
 _FLEXIBLE_RE = re.compile(r"(\-?[0-9\.\,]+)")
 _METHODS = ("strict", "flexible")
 _CLIP_CHARS = 10_000
