@@ -1,0 +1,388 @@
+"""Atomic, sharded training checkpoints (torch.distributed.checkpoint) and resume.
+
+Layout of one checkpoint (several roles write into one step folder, the trainer finalizes it):
+
+    <root>/global_step_<N>/
+        actor/             DCP shards of model + optimizer (.distcp, .metadata), lr_scheduler.pt
+        critic/            the same for the critic, written by its own worker group
+        rng/rank_<r>.json  python / numpy / torch / cuda RNG states of every global rank
+        trainer_state.json global step, dataloader state, anything JSON-serializable
+        COMPLETE.json      written last: manifest of every file with its size and sha256
+    <root>/latest_checkpointed_iteration.txt  (veRL's name; informative, `latest()` scans folders)
+
+Protocol (every rank calls these in the same order, SPMD):
+
+    mgr = CheckpointManager(root, keep_last=3)
+    tmp = mgr.begin_save(step)                       # <root>/global_step_N.tmp-XXXX, same on all ranks
+    save_state(os.path.join(tmp, "actor"), model, optim, sched, process_group=actor_group)
+    save_rng_state(tmp); save_trainer_state(tmp, {...})
+    mgr.finalize(step, tmp)                          # fsync, COMPLETE.json, rename, prune
+
+A crash (even kill -9) before the rename leaves a `.tmp-` folder that is never loaded; the
+previous checkpoint stays the latest. `latest()` skips folders whose marker is missing or whose
+files do not match the manifest, with a warning naming them.
+Resuming with another number of ranks works: DCP reshards model and optimizer; RNG states of
+ranks that did not exist are derived from (step, rank) with a warning.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MARKER = "COMPLETE.json"
+TRAINER_STATE = "trainer_state.json"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+_STEP_RE = re.compile(r"^global_step_(\d+)$")
+_TMP_RE = re.compile(r"^global_step_(\d+)\.tmp-")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+
+
+def _sha256(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def step_of(path: str) -> int:
+    """The global step of a `global_step_N` folder."""
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    if not m:
+        raise ValueError(f"{path!r} is not a global_step_<N> checkpoint folder")
+    return int(m.group(1))
+
+
+def verify_checkpoint(path: str, checksum: bool = True) -> str | None:
+    """None if `path` is a complete checkpoint, else the reason it is not."""
+    marker = os.path.join(path, MARKER)
+    if not os.path.isdir(path):
+        return "not a folder"
+    if not os.path.isfile(marker):
+        return f"no {MARKER} (half-written?)"
+    try:
+        with open(marker) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable {MARKER}: {e}"
+    for rel, info in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"missing file {rel}"
+        if os.path.getsize(full) != info["size"]:
+            return f"size of {rel} is {os.path.getsize(full)}, manifest says {info['size']}"
+        if checksum and info.get("sha256") and _sha256(full) != info["sha256"]:
+            return f"checksum mismatch in {rel}"
+    return None
+
+
+class CheckpointManager:
+    """Owns `<root>`: atomic step folders, finding the latest valid one, keeping the last K."""
+
+    def __init__(self, root: str, keep_last: int | None = None, checksum: bool = True):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: use a positive number, or None to keep every checkpoint")
+        self.root = os.path.abspath(root)
+        self.keep_last = keep_last
+        self.checksum = checksum
+
+    # ------------------------------------------------------------------ save
+    def begin_save(self, step: int) -> str:
+        """Create the temporary folder of step `step` and return its path (identical on every rank)."""
+        name = [None]
+        if _rank() == 0:
+            os.makedirs(self.root, exist_ok=True)
+            self._remove_stale_tmp()
+            name[0] = tempfile.mkdtemp(prefix=f"global_step_{step}.tmp-", dir=self.root)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(name, src=0)
+        return name[0]
+
+    def finalize(self, step: int, tmp_dir: str, extra: dict | None = None) -> str:
+        """Seal `tmp_dir` (after every rank wrote its part) as `<root>/global_step_<step>`; return that path."""
+        _barrier()
+        final = os.path.join(self.root, f"global_step_{step}")
+        if _rank() == 0:
+            if not os.path.isdir(tmp_dir) or not _TMP_RE.match(os.path.basename(tmp_dir)):
+                raise ValueError(f"{tmp_dir!r} is not a folder returned by begin_save")
+            files = {}
+            for dirpath, _, names in os.walk(tmp_dir):
+                for n in sorted(names):
+                    full = os.path.join(dirpath, n)
+                    rel = os.path.relpath(full, tmp_dir)
+                    _fsync_path(full)
+                    info = {"size": os.path.getsize(full)}
+                    if self.checksum:
+                        info["sha256"] = _sha256(full)
+                    files[rel] = info
+                _fsync_path(dirpath, directory=True)
+            manifest = {"format": 1, "global_step": step, "files": files, **(extra or {})}
+            _atomic_write_text(os.path.join(tmp_dir, MARKER), json.dumps(manifest, indent=1))
+            old = None
+            if os.path.exists(final):  # re-saving a step: move the old one aside, swap, then delete it
+                old = tempfile.mkdtemp(prefix=f"global_step_{step}.old-", dir=self.root)
+                os.rmdir(old)
+                os.replace(final, old)
+            os.replace(tmp_dir, final)
+            _fsync_path(self.root, directory=True)
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+            _atomic_write_text(os.path.join(self.root, LATEST_FILE), str(step))
+            self._prune()
+        _barrier()
+        return final
+
+    def abort(self, tmp_dir: str) -> None:
+        """Drop a temporary folder (e.g. after a failed save)."""
+        if _rank() == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _barrier()
+
+    # ------------------------------------------------------------------ find
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, path) of every `global_step_N` folder under root, newest first (not validated)."""
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for name in os.listdir(self.root):
+            m = _STEP_RE.match(name)
+            if m and os.path.isdir(os.path.join(self.root, name)):
+                out.append((int(m.group(1)), os.path.join(self.root, name)))
+        return sorted(out, reverse=True)
+
+    def latest(self) -> str | None:
+        """Newest complete checkpoint; incomplete or corrupted ones are skipped with a warning naming them."""
+        for _, path in self.checkpoints():
+            reason = verify_checkpoint(path, checksum=self.checksum)
+            if reason is None:
+                return path
+            warnings.warn(f"skipping invalid checkpoint {path}: {reason}", stacklevel=2)
+        return None
+
+    def resolve_resume(self, resume: str) -> str | None:
+        """`resume` = "auto" (latest valid, or None), "disable" (None), or a checkpoint folder (validated)."""
+        if resume in ("disable", "", None):
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = os.path.abspath(resume)
+        reason = verify_checkpoint(path, checksum=self.checksum)
+        if reason is not None:
+            raise ValueError(f"cannot resume from {resume!r}: {reason}. Use resume=auto to take the latest "
+                             "valid checkpoint, or resume=disable to start fresh")
+        step_of(path)
+        return path
+
+    # ------------------------------------------------------------------ housekeeping
+    def _remove_stale_tmp(self) -> None:
+        for name in os.listdir(self.root):
+            if name.startswith(LATEST_FILE + ".tmp-"):
+                os.remove(os.path.join(self.root, name))
+            elif _TMP_RE.match(name) or ".old-" in name:
+                warnings.warn(f"removing unfinished checkpoint {os.path.join(self.root, name)}", stacklevel=3)
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        valid = [(s, p) for s, p in self.checkpoints() if os.path.isfile(os.path.join(p, MARKER))]
+        for _, path in valid[self.keep_last:]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- model / optimizer (DCP)
+
+
+def save_state(
+    role_dir: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler=None,
+    process_group: dist.ProcessGroup | None = None,
+    extra: dict | None = None,
+) -> None:
+    """Sharded save of model (+ optimizer) into `role_dir` by every rank of `process_group`.
+
+    lr scheduler state and `extra` (JSON) are written once, by the group's first rank.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    os.makedirs(role_dir, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    use_dist = dist.is_initialized()
+    dcp_save(state, storage_writer=FileSystemWriter(role_dir, sync_files=True),
+             process_group=process_group, no_dist=not use_dist)
+    group_rank = dist.get_rank(process_group) if use_dist else 0
+    if group_rank == 0:
+        if lr_scheduler is not None:
+            torch.save(lr_scheduler.state_dict(), os.path.join(role_dir, "lr_scheduler.pt"))
+        if extra is not None:
+            _atomic_write_text(os.path.join(role_dir, "extra_state.json"), json.dumps(extra))
+
+
+def load_state(
+    role_dir: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler=None,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict | None:
+    """Load what `save_state` wrote into the (already sharded, any world size) model / optimizer.
+
+    Returns the `extra` dict, or None if none was saved.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not os.path.isfile(os.path.join(role_dir, ".metadata")):
+        raise ValueError(f"{role_dir!r} holds no DCP checkpoint (.metadata missing)")
+    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp_load(state, storage_reader=FileSystemReader(role_dir), process_group=process_group,
+             no_dist=not dist.is_initialized())
+    set_state_dict(model, [optimizer] if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
+    if lr_scheduler is not None:
+        path = os.path.join(role_dir, "lr_scheduler.pt")
+        if not os.path.isfile(path):
+            raise ValueError(f"{role_dir!r} has no lr_scheduler.pt but a scheduler was given")
+        lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+    extra_path = os.path.join(role_dir, "extra_state.json")
+    if os.path.isfile(extra_path):
+        with open(extra_path) as f:
+            return json.load(f)
+    return None
+
+
+# ---------------------------------------------------------------------- RNG + trainer state
+
+
+def _tensor_b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _b64_tensor(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def get_rng_state() -> dict:
+    """This process's python / numpy / torch / cuda RNG states as a JSON-able dict."""
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        "torch": _tensor_b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_tensor_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `get_rng_state` returned."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(_b64_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = [_b64_tensor(s) for s in state["cuda"]]
+        if len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(saved)
+        else:
+            torch.cuda.set_rng_state(saved[0])
+
+
+def save_rng_state(step_dir: str) -> None:
+    """Every rank writes `rng/rank_<r>.json`."""
+    os.makedirs(os.path.join(step_dir, "rng"), exist_ok=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    payload = {"world_size": world, **get_rng_state()}
+    _atomic_write_text(os.path.join(step_dir, "rng", f"rank_{_rank()}.json"), json.dumps(payload))
+
+
+def load_rng_state(step_dir: str, seed: int = 0) -> bool:
+    """Restore this rank's RNG state; True if found. A rank the checkpoint did not have is seeded from
+    (seed, step, rank) with a warning (resuming on more ranks than were saved)."""
+    rank = _rank()
+    path = os.path.join(step_dir, "rng", f"rank_{rank}.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            set_rng_state(json.load(f))
+        return True
+    step = step_of(step_dir)
+    derived = (seed * 1_000_003 + step * 7919 + rank) % (2**31)
+    warnings.warn(f"{step_dir} has no RNG state for rank {rank} (saved with fewer ranks); seeding it with "
+                  f"{derived} derived from (seed, step, rank)", stacklevel=2)
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
+    return False
+
+
+def save_trainer_state(step_dir: str, state: dict) -> None:
+    """Rank 0 writes `trainer_state.json` (global step, dataloader state, ...). `state` must be JSON-able."""
+    if _rank() != 0:
+        return
+    try:
+        text = json.dumps(state, indent=1)
+    except TypeError as e:
+        raise ValueError(f"trainer state must be JSON-serializable: {e}") from e
+    _atomic_write_text(os.path.join(step_dir, TRAINER_STATE), text)
+
+
+def load_trainer_state(step_dir: str) -> dict:
+    """The dict `save_trainer_state` wrote."""
+    path = os.path.join(step_dir, TRAINER_STATE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{step_dir!r} has no {TRAINER_STATE}")
+    with open(path) as f:
+        return json.load(f)
