@@ -7,16 +7,15 @@ when the tensors live on a CUDA device and Triton imports; "triton" forces the T
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
-try:  # Triton is optional: CPU-only installs and macOS run the torch paths.
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the installation
-    HAS_TRITON = False
+# Triton is optional (CPU-only installs run the torch paths). It is imported only when a
+# Triton kernel first runs, so importing tinyzero.kernels stays cheap and does not fix
+# Triton's interpreter setting (TRITON_INTERPRET is read when kernels are decorated).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 BACKENDS = ("auto", "torch", "triton")
 

@@ -29,12 +29,18 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, _CHUNK_ELEMS // max(vocab, 1))
 
 
-def rows_forward_torch(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool):
-    """(logp, entropy or None, lse) float32 (rows,), from 2-D logits, one row chunk at a time."""
+def rows_forward_torch(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool, out=None):
+    """(logp, entropy or None, lse) float32 (rows,), from 2-D logits, one row chunk at a time.
+
+    out: optional preallocated float32 (logp, entropy or None, lse) to write into.
+    """
     rows, vocab = logits.shape
-    logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if with_entropy else None
+    if out is None:
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if with_entropy else None
+    else:
+        logp, ent, lse = out
     step = _rows_per_chunk(vocab)
     for i in range(0, rows, step):
         x = logits[i:i + step].float()  # (chunk, V)
@@ -76,15 +82,17 @@ def rows_backward_torch(logits: torch.Tensor, labels: torch.Tensor, lse: torch.T
     return grad
 
 
-def rows_forward(logits, labels, inv_temp, with_entropy, triton_path: bool):
+def rows_forward(logits, labels, inv_temp, with_entropy, triton_path: bool, out=None):
+    """Dispatch to the Triton or torch row forward (see rows_forward_torch)."""
     if triton_path:
         from . import logprobs_triton
 
-        return logprobs_triton.rows_forward(logits, labels, inv_temp, with_entropy)
-    return rows_forward_torch(logits, labels, inv_temp, with_entropy)
+        return logprobs_triton.rows_forward(logits, labels, inv_temp, with_entropy, out)
+    return rows_forward_torch(logits, labels, inv_temp, with_entropy, out)
 
 
 def rows_backward(logits, labels, lse, ent, g_lp, g_ent, inv_temp, triton_path: bool, out=None):
+    """Dispatch to the Triton or torch row backward (see rows_backward_torch)."""
     if triton_path:
         from . import logprobs_triton
 

@@ -36,7 +36,7 @@ def _fwd_kernel(logits_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, vocab, strid
         scale = tl.exp(m - m_new)
         p = tl.exp(x - m_new)
         if WITH_ENTROPY:
-            w = (w + (m - m_new) * s) * scale + tl.sum(tl.where(p > 0, p * (x - m_new), 0.0), axis=0)
+            w = (w + (m - m_new) * s) * scale + tl.sum(p * tl.where(p > 0, x - m_new, 0.0), axis=0)
         s = s * scale + tl.sum(p, axis=0)
         m = m_new
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -73,7 +73,7 @@ def _bwd_kernel(logits_ptr, labels_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, g
         p = tl.exp(logp)
         g = tl.where(offs == label, g_lp, 0.0) - g_lp * p
         if HAS_G_ENT:
-            g -= g_ent * tl.where(p > 0, p * (logp + ent), 0.0)
+            g -= g_ent * p * (tl.where(p > 0, logp, 0.0) + ent)
         tl.store(grad_ptr + row * stride_grad + offs, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=inb)
 
 
@@ -81,15 +81,22 @@ def _block_v(vocab: int) -> int:
     return max(16, min(4096, triton.next_power_of_2(vocab)))
 
 
-def rows_forward(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool):
-    """(logp, entropy or None, lse), float32 (rows,), for 2-D logits (rows, V) with unit stride in V."""
+def rows_forward(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool, out=None):
+    """(logp, entropy or None, lse), float32 (rows,), for 2-D logits (rows, V).
+
+    out: optional preallocated contiguous float32 (logp, entropy or None, lse) to write into.
+    """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     labels = labels.contiguous()
-    logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if with_entropy else lse  # dummy pointer when unused
+    if out is None:
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if with_entropy else lse  # dummy pointer when unused
+    else:
+        logp, ent, lse = out
+        ent = ent if with_entropy else lse
     if rows:
         _fwd_kernel[(rows,)](logits, labels, logp, ent, lse, vocab, logits.stride(0), float(inv_temp),
                              BLOCK_V=_block_v(vocab), WITH_ENTROPY=with_entropy)

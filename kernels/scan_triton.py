@@ -101,11 +101,11 @@ def _block(length: int) -> int:
     return max(16, min(_BLOCK, triton.next_power_of_2(max(length, 1))))
 
 
-def reverse_linear_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def reverse_linear_scan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x[t] = b[t] + a[t] * x[t+1] per row; (batch, len) float32/bf16/fp16 in, b's dtype out."""
     a = a.to(b.dtype).contiguous()
     b = b.contiguous()
-    out = torch.empty_like(b)
+    out = torch.empty_like(b) if out is None else out
     rows, length = b.shape
     if rows == 0 or length == 0:
         return out
@@ -115,11 +115,13 @@ def reverse_linear_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def gae_advantage_return(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Un-whitened GAE advantages and returns (see kernels.scan.gae_advantage_return)."""
+                         lam: float, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Un-whitened GAE advantages and returns (see kernels.scan.gae_advantage_return).
+
+    out: optional preallocated contiguous (advantages, returns) to write into.
+    """
     rewards, values, mask = rewards.contiguous(), values.contiguous(), mask.contiguous()
-    adv = torch.empty_like(rewards)
-    ret = torch.empty_like(rewards)
+    adv, ret = (torch.empty_like(rewards), torch.empty_like(rewards)) if out is None else out
     rows, length = rewards.shape
     if rows == 0 or length == 0:
         return adv, ret
