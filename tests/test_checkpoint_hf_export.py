@@ -1,0 +1,85 @@
+"""HF export from an FSDP2-sharded model: reloads with AutoModelForCausalLM and gives identical logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+
+def _ids():
+    return torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
+
+
+def _train_and_export(path: str, out_dirs: list[str], max_shard_bytes: list[int]):
+    from tinyzero.distributed import init_distributed
+    from tinyzero.models.config import FSDPConfig, ModelConfig
+    from tinyzero.models.fsdp import load_sharded_model, make_fsdp_mesh
+    from tinyzero.models.loading import load_tokenizer
+    from tinyzero.trainer.hf_export import export_hf
+
+    init_distributed()
+    fsdp_cfg = FSDPConfig()
+    model = load_sharded_model(ModelConfig(path=path), fsdp_cfg, make_fsdp_mesh(fsdp_cfg, "cpu"))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = _ids()
+    model.train()
+    model(input_ids=ids).logits.square().mean().backward()
+    optim.step()  # move every weight away from the original checkpoint
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    for out_dir, shard_bytes in zip(out_dirs, max_shard_bytes):
+        export_hf(model, out_dir, tokenizer=load_tokenizer(path), max_shard_bytes=shard_bytes)
+    return logits.numpy()
+
+
+SHARD_BYTES = [64 * 1024, 2 * 1024**3]  # several files + index / one model.safetensors
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    outs = [str(root / f"hf_{b}") for b in SHARD_BYTES]
+    results = run_distributed(_train_and_export, 2, tiny_model_dir, outs, SHARD_BYTES)
+    return root, outs, results
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_hf_export_reloads_with_identical_logits(tiny_model_dir, exported, which):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, outs, results = exported
+    out, max_shard_bytes = outs[which], SHARD_BYTES[which]
+    files = sorted(os.listdir(out))
+    assert not any(".tmp-" in f for f in os.listdir(root))
+    if max_shard_bytes < 1024**2:
+        index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 1 and all(s in files for s in shards)
+        keys = set(index["weight_map"])
+    else:
+        assert "model.safetensors" in files
+        with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+    assert "lm_head.weight" not in keys  # tied: written once, as save_pretrained does
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.eval()
+    with torch.no_grad():
+        reloaded = model(input_ids=_ids()).logits
+        before = original(input_ids=_ids()).logits
+    for logits in results:
+        torch.testing.assert_close(reloaded, torch.from_numpy(logits), atol=1e-6, rtol=1e-6)
+    assert (reloaded - before).abs().max() > 1e-3  # the export holds the trained weights
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "<answer> (1 + 2) / 3 </answer>"
+    assert tok.decode(tok(text)["input_ids"]) == text
