@@ -39,8 +39,23 @@ from tinyzero.trainer.metrics import (
 )
 from tinyzero.trainer.validation import validate
 
+
+def draw_curves(run_dir: str, tracker) -> None:
+    """RUN/curves.png, when matplotlib is installed and there is something to draw."""
+    try:
+        from tinyzero.plot import plot_run
+
+        tracker.print(f"[tinyzero] curves: {plot_run(run_dir)}")
+    except (ImportError, ValueError, OSError) as e:
+        tracker.print(f"[tinyzero] no curves drawn: {e}")
+
 GEN_KEYS = ("input_ids", "attention_mask", "position_ids")
 GEN_NON_TENSOR_KEYS = ("raw_prompt_ids",)
+
+
+def pop_metrics(out: DataProto) -> dict[str, float]:
+    """Take a worker output's meta_info["metrics"] out (so it does not collide in union) and reduce it."""
+    return merge_worker_metrics([out.meta_info.pop("metrics", {})])
 
 
 class NonFiniteError(RuntimeError):
@@ -95,7 +110,15 @@ class PPOTrainer:
             self.maybe_save()
             self.tracker.log(metrics, step=self.global_step)
             last = metrics
+        if self.config.trainer.export_hf:
+            self.roles.actor_rollout.export_hf(os.path.join(self.config.trainer.default_local_dir, "hf_model"))
         return last
+
+    def close(self) -> None:
+        """Flush the loggers and draw the curves (rank 0)."""
+        self.tracker.close()
+        if self.config.trainer.plot and self.tracker.enabled:
+            draw_curves(self.config.trainer.default_local_dir, self.tracker)
 
     def next_batch(self) -> DataProto:
         """The next prompt batch (epochs roll over inside; resumable through the loader's state)."""
@@ -118,21 +141,25 @@ class PPOTrainer:
         gen_batch.meta_info.update(self._gen_meta(do_sample=True))
         with timer("gen", timing):
             gen = self.roles.actor_rollout.generate_sequences(gen_batch)
-        metrics.update(merge_worker_metrics(gen))
+        metrics.update(pop_metrics(gen))
         batch = batch.repeat(n, interleave=True).union(gen)
         if self.config.trainer.balance_batch:
             balance_batch(batch, self.roles.actor_rollout_dp_size, metrics)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         with timer("old_log_prob", timing):
             old = self.roles.actor_rollout.compute_log_prob(batch)
-            metrics.update(merge_worker_metrics(old))
+            metrics.update(pop_metrics(old))
             batch = batch.union(old)
         if self.config.use_reference:
             with timer("ref", timing):
-                batch = batch.union(self.roles.actor_rollout.compute_ref_log_prob(batch))
+                ref = self.roles.actor_rollout.compute_ref_log_prob(batch)
+                metrics.update(pop_metrics(ref))
+                batch = batch.union(ref)
         if self.roles.critic is not None:
             with timer("values", timing):
-                batch = batch.union(self.roles.critic.compute_values(batch))
+                values = self.roles.critic.compute_values(batch)
+                metrics.update(pop_metrics(values))
+                batch = batch.union(values)
         return batch
 
     def _gen_meta(self, do_sample: bool, validate: bool = False) -> dict:
@@ -151,7 +178,9 @@ class PPOTrainer:
         """Model reward (if any) + rule rewards -> token_level_scores; KL in reward -> token_level_rewards."""
         with timer("reward", timing):
             if self.roles.reward_model is not None:
-                batch = batch.union(self.roles.reward_model.compute_rm_score(batch))
+                rm = self.roles.reward_model.compute_rm_score(batch)
+                metrics.update(pop_metrics(rm))
+                batch = batch.union(rm)
             out = self.reward_fn(batch)
             batch.batch["token_level_scores"] = out.token_level_scores
             metrics.update(out.metrics)

@@ -1,0 +1,154 @@
+"""Build a PPO trainer from the root config: pools and worker groups, data, rewards, loggers.
+
+    trainer = build_ppo_trainer(cfg)   # every rank, after init_distributed()
+    trainer.fit()
+
+Placement ("trainer.placement"): "colocate" puts actor/rollout/ref, critic and reward model in
+one process per rank on one pool (create_colocated_worker_cls); "split" puts the policy on
+the first ranks and critic + reward model on the rest, so their work overlaps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tinyzero.config import (
+    Config,
+    check_model_context,
+    check_world,
+    dump_yaml,
+    pool_sizes,
+    sync_derived_fields,
+    to_dict,
+)
+from tinyzero.data import RLHFDataset, StatefulDataLoader
+from tinyzero.distributed import get_device, get_rank, get_world_size
+from tinyzero.models.loading import check_model_path, load_hf_config, load_tokenizer
+from tinyzero.rewards.manager import RewardManager
+from tinyzero.single_controller import (
+    ClassWithInitArgs,
+    ResourcePool,
+    WorkerGroup,
+    create_colocated_worker_cls,
+)
+from tinyzero.trainer.loggers import Tracking
+from tinyzero.trainer.ppo import PPOTrainer
+from tinyzero.workers.actor_worker import ActorRolloutRefWorker
+from tinyzero.workers.critic_worker import CriticWorker
+from tinyzero.workers.reward_model import RewardModelWorker
+
+
+@dataclass
+class Roles:
+    """The worker groups a PPO step calls (critic / reward_model are None when not used)."""
+
+    actor_rollout: Any
+    critic: Any
+    reward_model: Any
+    actor_rollout_dp_size: int
+    rollout_dp_size: int
+
+
+def total_training_steps(cfg: Config, batches_per_epoch: int) -> int:
+    """Epochs x batches, capped by trainer.total_training_steps."""
+    total = batches_per_epoch * cfg.trainer.total_epochs
+    if cfg.trainer.total_training_steps is not None:
+        total = min(total, cfg.trainer.total_training_steps) if batches_per_epoch else cfg.trainer.total_training_steps
+    if total < 1:
+        raise ValueError(f"the run has no steps: {batches_per_epoch} batches per epoch of data.train_batch_size="
+                         f"{cfg.data.train_batch_size}; lower the batch size or add data")
+    return total
+
+
+def build_roles(cfg: Config, world_size: int) -> Roles:
+    """Create the pools and worker groups and initialise their models (critic and RM first, policy last)."""
+    actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
+    arr_role = "actor_rollout_ref" if cfg.use_reference else "actor_rollout"
+    policy = ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, arr_role)
+    others = {}
+    if cfg.use_critic:
+        others["critic"] = ClassWithInitArgs(CriticWorker, cfg.critic)
+    if cfg.reward_model.enable:
+        others["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
+    if cfg.trainer.placement == "colocate":
+        pool = ResourcePool(ranks=list(range(world_size)))
+        classes = {"actor_rollout": policy, **others}
+        wgs = WorkerGroup(resource_pool=pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
+            prefix_set=set(classes))
+    else:
+        policy_pool = ResourcePool(ranks=list(range(actor_ranks)))
+        other_pool = ResourcePool(ranks=list(range(actor_ranks, world_size)))
+        wgs = {"actor_rollout": WorkerGroup(resource_pool=policy_pool, cls_with_init=policy)}
+        for name, cls in others.items():
+            wgs[name] = WorkerGroup(resource_pool=other_pool, cls_with_init=cls)
+    for name in ("critic", "reward_model", "actor_rollout"):
+        if name in wgs:
+            wgs[name].init_model()
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    del critic_ranks
+    return Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
+                 actor_rollout_dp_size=actor_ranks, rollout_dp_size=actor_ranks // tp)
+
+
+def prepare_config(cfg: Config, world_size: int) -> None:
+    """Start-up checks that need the world size and the model's config; fail before any heavy work."""
+    sync_derived_fields(cfg)
+    check_world(cfg, world_size)
+    arr = cfg.actor_rollout_ref
+    check_model_path(arr.model.path)
+    hf_config = load_hf_config(arr.model.path, arr.model.trust_remote_code, arr.model.override_config)
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if max_pos:
+        check_model_context(cfg, int(max_pos))
+    for name, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for path in files:
+            if not os.path.exists(path):
+                raise ValueError(f"{name}: {path!r} does not exist; write it first (e.g. "
+                                 f"python -m tinyzero.data.preprocess.countdown --out DIR) or fix the path")
+    if not cfg.data.train_files:
+        raise ValueError("data.train_files is empty; pass --data.train_files PATH.parquet")
+
+
+def build_ppo_trainer(cfg: Config) -> PPOTrainer:
+    """Everything a PPO run needs, on every rank (SPMD), after init_distributed()."""
+    world_size = get_world_size()
+    prepare_config(cfg, world_size)
+    arr = cfg.actor_rollout_ref
+    tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
+    train_ds = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data)
+    val_ds = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    loader = StatefulDataLoader(train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                seed=cfg.data.seed, drop_last=cfg.data.drop_last)
+    total = total_training_steps(cfg, len(loader))
+    for optim in (arr.actor.optim, cfg.critic.optim):
+        optim.total_training_steps = total
+    reward_fn = RewardManager(tokenizer, cfg.reward)
+    reward_fn.check_data_sources(_data_sources(train_ds, val_ds))
+    val_reward_fn = RewardManager(tokenizer, cfg.reward)
+    run_dir = cfg.trainer.default_local_dir
+    if get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    roles = build_roles(cfg, world_size)
+    tracker = Tracking(run_dir, cfg.trainer.logger, total_steps=total, project=cfg.trainer.project_name,
+                       experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                       progress_bar=cfg.trainer.progress_bar, enabled=get_rank() == 0)
+    return PPOTrainer(cfg, roles, tokenizer, loader, val_ds, reward_fn, val_reward_fn, tracker, total,
+                      world_size, get_device())
+
+
+def _data_sources(*datasets) -> list[str]:
+    sources = set()
+    for ds in datasets:
+        if ds is not None and hasattr(ds, "data_sources"):
+            sources.update(ds.data_sources)
+    return sorted(sources)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank (the driver's draws must agree: SPMD)."""
+    from tinyzero.distributed import set_seed
+
+    set_seed(seed)

@@ -1,0 +1,91 @@
+"""tinyzero entry point: parse the config, initialise distributed, build the trainer, fit, tear down.
+
+    # PPO / GRPO (TinyZero countdown on 2 GPUs)
+    python -m tinyzero.data.preprocess.countdown --out data/countdown
+    torchrun --nproc_per_node 2 train.py --preset countdown_qwen2_5_3b_ppo \
+        --actor_rollout_ref.model.path /models/Qwen2.5-3B --data.train_files data/countdown/train.parquet
+    torchrun --nproc_per_node 8 train.py --preset countdown_qwen2_5_3b_grpo --trainer.placement split
+
+    # SFT, reward model, DPO (the first argument picks the trainer)
+    torchrun --nproc_per_node 8 train.py sft --preset sft --data.train_files data/sft/train.parquet
+    torchrun --nproc_per_node 8 train.py rm --preset rm
+    torchrun --nproc_per_node 8 train.py dpo --preset dpo --dpo.beta 0.1
+
+    # rerun a saved config; resume continues from the run folder's latest checkpoint
+    torchrun --nproc_per_node 2 train.py --config runs/x/config.yaml
+    torchrun --nproc_per_node 2 --max-restarts 3 train.py --preset demo_cpu     # resume_mode=auto
+
+    # the CPU demo (tiny model, 2 CPU ranks, < 5 minutes)
+    python -m tinyzero.demo
+
+`train.py --help` lists every field; `--preset NAME` and `--config FILE` set the defaults under
+the flags.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def run(cfg) -> dict:
+    """Build and fit the trainer the config's mode names; returns the final metrics (every rank)."""
+    mode = cfg.trainer.mode
+    if mode == "ppo":
+        from tinyzero.trainer.builder import build_ppo_trainer
+
+        trainer = build_ppo_trainer(cfg)
+    elif mode == "sft":
+        from tinyzero.trainer.sft import build_sft_trainer
+
+        trainer = build_sft_trainer(cfg)
+    elif mode == "rm":
+        from tinyzero.trainer.rm import build_rm_trainer
+
+        trainer = build_rm_trainer(cfg)
+    else:
+        from tinyzero.trainer.dpo import build_dpo_trainer
+
+        trainer = build_dpo_trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tinyzero.config import parse_args
+    from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
+
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if cfg.trainer.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    init_distributed()
+    try:
+        set_seed(cfg.trainer.seed)
+        run(cfg)
+        return 0
+    except ValueError as e:
+        # A setting or input the user can fix: one line (per rank that hit it), not a wall of traceback.
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"[rank {get_rank()}] error: {e}\n  (raised at {where.filename}:{where.lineno})", file=sys.stderr,
+              flush=True)
+        return 2
+    except BaseException:
+        print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
