@@ -3,6 +3,7 @@ broadcast equals a direct load, hybrid sharding, offload helpers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -19,23 +20,41 @@ def _batch(seed: int = 0, batch: int = 4, seq: int = 10):
     return ids, mask, pos
 
 
-def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool):
-    import torch.distributed as dist
+CASES = {
+    # name: (fsdp_size, meta init + rank-0 broadcast, CPUOffloadPolicy, gradient checkpointing)
+    "shard": (-1, False, False, True),
+    "meta_init": (-1, True, False, False),
+    "hybrid": (1, True, False, True),  # 2-D mesh (replicate=2, shard=1): grads all-reduced across replicas
+    "offload_policy": (-1, True, True, False),
+}
+
+
+def _run_cases(path: str):
+    """Every case of CASES in one set of processes (spawning ranks is the slow part on CPU)."""
 
     from tinyzero.distributed import init_distributed
+
+    init_distributed()
+    return {name: _sharded_forward_backward(path, *case) for name, case in CASES.items()}
+
+
+def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, offload_policy: bool,
+                              checkpointing: bool):
+    import torch.distributed as dist
+
     from tinyzero.models.config import FSDPConfig, ModelConfig
     from tinyzero.models.fsdp import clip_grad_norm_, load_sharded_model, make_fsdp_mesh, parallelize
     from tinyzero.models.loading import load_causal_lm
 
-    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    fsdp_cfg = FSDPConfig(fsdp_size=fsdp_size)
+    fsdp_cfg = FSDPConfig(fsdp_size=fsdp_size, offload_policy=offload_policy)
     mesh = make_fsdp_mesh(fsdp_cfg, "cpu")
-    model_cfg = ModelConfig(path=path, enable_gradient_checkpointing=True)
+    model_cfg = ModelConfig(path=path, enable_gradient_checkpointing=checkpointing)
     if use_meta_init:
         model = load_sharded_model(model_cfg, fsdp_cfg, mesh)
     else:
-        model = parallelize(load_causal_lm(path), mesh, fsdp_cfg, enable_gradient_checkpointing=True)
+        model = parallelize(load_causal_lm(path), mesh, fsdp_cfg, enable_gradient_checkpointing=checkpointing)
+    assert mesh.ndim == (2 if fsdp_size == 1 else 1)
     model.train()
     ids, mask, pos = _batch()
     per = ids.shape[0] // world
@@ -86,24 +105,22 @@ def _check_against_reference(results, ref):
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm
 
 
-def test_fsdp_two_ranks_matches_unsharded(tiny_model_dir):
-    ref = _reference(tiny_model_dir)
-    results = run_distributed(_sharded_forward_backward, 2, tiny_model_dir, -1, False)
-    _check_against_reference(results, ref)
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_model_dir):
+    return run_distributed(_run_cases, 2, tiny_model_dir)
 
 
-def test_meta_init_broadcast_equals_direct_load(tiny_model_dir):
-    """Rank 0 reads the safetensors, others build on meta; params (and rotary buffers) equal a direct load."""
-    ref = _reference(tiny_model_dir)
-    results = run_distributed(_sharded_forward_backward, 2, tiny_model_dir, -1, True)
-    _check_against_reference(results, ref)
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return _reference(tiny_model_dir)
 
 
-def test_hybrid_shard_mesh(tiny_model_dir):
-    """2-D mesh (replicate=2, shard=1): gradients are all-reduced across replicas."""
-    ref = _reference(tiny_model_dir)
-    results = run_distributed(_sharded_forward_backward, 2, tiny_model_dir, 1, True)
-    _check_against_reference(results, ref)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_two_ranks_match_unsharded(two_rank_results, reference, case):
+    """shard: parallelize a loaded model; meta_init: rank 0 reads the safetensors, the others build on meta
+    and receive every tensor (and the rotary buffers) by broadcast; hybrid: 2-D mesh; offload_policy: FSDP2's
+    CPUOffloadPolicy. Logits, parameters, gradients and the grad norm all equal the unsharded model's."""
+    _check_against_reference([r[case] for r in two_rank_results], reference)
 
 
 def _value_and_offload(path: str):
