@@ -132,3 +132,44 @@ def test_trim_padding_keeps_real_tokens(tiny_model_dir):
         for col in range(6 - 3, 6 + 2):
             if mask[i, col]:
                 torch.testing.assert_close(trimmed[i, col - 3], full[i, col], rtol=1e-5, atol=1e-5)
+
+
+def _reference_agg(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> float:
+    """The mini-batch loss each mode defines, written out per row in float64."""
+    rows = []
+    for lrow, mrow in zip(loss.double().tolist(), mask.double().tolist()):
+        rows.append((sum(a * b for a, b in zip(lrow, mrow)), sum(mrow)))
+    if mode == "token-mean":
+        return sum(s for s, _ in rows) / sum(n for _, n in rows)
+    nonempty = [(s, n) for s, n in rows if n > 0]
+    if mode == "seq-mean-token-sum":
+        return sum(s for s, _ in nonempty) / len(nonempty)
+    if mode == "seq-mean-token-mean":
+        return sum(s / n for s, n in nonempty) / len(nonempty)
+    return sum(s for s, _ in rows) / loss.shape[1] / len(rows)  # seq-mean-token-sum-norm
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("num_micro", [1, 2, 3, 12])
+def test_micro_batch_shares_sum_to_mini_batch_loss(mode, num_micro):
+    from tinyzero.algorithms import agg_loss
+    from tinyzero.workers.scaling import global_counts, micro_weight
+
+    g = torch.Generator().manual_seed(1)
+    loss = torch.randn(12, 7, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([7, 0, 3, 1, 5, 7, 2, 0, 4, 6, 1, 3])  # includes empty rows
+    mask = (torch.arange(7) < lengths[:, None]).double()
+    counts = global_counts(mask)
+    order = torch.randperm(12, generator=g)  # any grouping of rows
+    total = 0.0
+    for idx in order.chunk(num_micro):
+        m, lm = mask[idx], loss[idx]
+        if m.sum() == 0 and mode != "seq-mean-token-sum-norm":
+            # No valid token: agg_loss is 0/0; the workers back-propagate a zero loss instead.
+            assert micro_weight(mode, m, counts) == 0.0
+            continue
+        total += float(agg_loss(lm, m, mode)) * micro_weight(mode, m, counts)
+    # agg_loss adds 1e-8 to per-row token counts in seq-mean-token-mean: relative error ~1e-8 there.
+    tol = 1e-7 if mode == "seq-mean-token-mean" else 1e-12
+    assert total == pytest.approx(_reference_agg(loss, mask, mode), rel=tol, abs=tol)

@@ -16,6 +16,7 @@ from torch import nn
 
 from tinyzero.protocol import DataProto
 from tinyzero.workers.batching import make_micro_batches, restore_order
+from tinyzero.workers.common import reshard
 from tinyzero.workers.config import ActorConfig
 from tinyzero.workers.forward import response_log_probs
 from tinyzero.workers.update import accumulate_gradients, mean_finite, mini_batches, optimizer_step
@@ -56,6 +57,7 @@ class PPOActor:
             log_probs.append(lp.float().cpu())
             if ent is not None:
                 entropys.append(ent.float().cpu())
+        reshard(self.model)
         log_probs = restore_order(torch.cat(log_probs), parts)
         entropy = restore_order(torch.cat(entropys), parts) if calculate_entropy else None
         return log_probs, entropy
@@ -69,6 +71,10 @@ class PPOActor:
         mask = batch["response_mask"].float()  # (b, R)
         need_entropy = cfg.entropy_coeff != 0
         log_prob, entropy = response_log_probs(self.model, batch, temperature, need_entropy)
+        if not bool(mask.any()):
+            # No valid token: the losses are 0/0. A zero loss still runs backward (FSDP collectives).
+            zero = log_prob.sum() * 0.0
+            return zero, (zero,) * 6
         policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
         rollout_log_probs = batch.get("rollout_log_probs") if cfg.tis_imp_ratio_cap > 0 else None
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
@@ -107,7 +113,8 @@ class PPOActor:
             raise ValueError(f"update_actor: batch lacks {missing} (use_kl_loss needs ref_log_prob; "
                              f"tis_imp_ratio_cap > 0 needs rollout_log_probs)")
         data = data.select(batch_keys=self._batch_keys())
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The optimizer's parameters are the sharded ones (model.parameters() may list gathered copies).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for epoch in range(cfg.ppo_epochs):

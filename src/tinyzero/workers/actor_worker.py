@@ -127,9 +127,10 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config
         hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code, cfg.model.override_config)
         tp = int(getattr(cfg.rollout, "tensor_model_parallel_size", 1) or 1)
+        # Without an actor in this process the engine starts from the checkpoint's weights.
         return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
-                             device=self.device, process_group=self.process_group, tp_size=tp,
-                             dtype=getattr(cfg.rollout, "dtype", "auto"))
+                             device=self.device, dp_rank=self.rank // tp, load_weights=self.actor is None,
+                             trust_remote_code=cfg.model.trust_remote_code)
 
     # ------------------------------------------------------------------ rollout
     def _sync_weights(self) -> None:
@@ -158,6 +159,8 @@ class ActorRolloutRefWorker(Worker):
             out = self.rollout.generate_sequences(prompts)
         finally:
             self.rollout.sleep()
+            if int(getattr(self.config.rollout, "sleep_level", 1)) == 2:
+                self._synced_version = -1  # level-2 sleep discards the engine's weights
         out.meta_info.setdefault("metrics", {})
         out.meta_info["metrics"]["perf/max_memory_allocated_gb/rollout"] = peak_memory_gb(self.device)
         return out
@@ -213,11 +216,14 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None):
-        """Sharded actor checkpoint (model, optimizer, lr scheduler, RNG) under `local_path`."""
+        """Sharded actor checkpoint (model, optimizer, lr scheduler) in the role folder `local_path`.
+
+        `max_ckpt_to_keep` is accepted for veRL compatibility; the checkpoint manager prunes.
+        """
         if self.actor is None:
             return None
         with on_device(self.actor.model, self.config.actor.fsdp_config, self.device, self.actor.optimizer):
-            checkpointing.save_role(self, self.actor, local_path, global_step, max_ckpt_to_keep,
+            checkpointing.save_role(self, self.actor, local_path, global_step,
                                     self.config.actor.checkpoint.contents)
         return local_path
 

@@ -64,6 +64,19 @@ def offload_after_init(model: nn.Module, fsdp_config: FSDPConfig,
         offload_optimizer(optimizer)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free gathered parameters after a forward-only pass.
+
+    FSDP2 keeps the root's parameters (embeddings, final norm, lm_head / head) gathered after a
+    forward, expecting a backward; after inference that would hold a full copy of them, and
+    `model.parameters()` would list the gathered tensors instead of the sharded ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def masked_mean_over_group(values: torch.Tensor, mask: torch.Tensor, group=None) -> float:
     """sum(values * mask) / sum(mask) over all rows of all ranks of `group`."""
     sums = torch.tensor([float((values * mask).sum()), float(mask.sum())], dtype=torch.float64)

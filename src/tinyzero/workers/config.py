@@ -15,7 +15,7 @@ from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.rollout.config import RolloutConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 WARMUP_STYLES = ("constant", "cosine")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
@@ -124,7 +124,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, full."""
+    """KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3; a trailing "+" (e.g. "k3+")
+    keeps the value and takes the k2 gradient (straight-through)."""
     tis_imp_ratio_cap: float = -1.0
     """Truncated importance sampling: weight token losses by min(exp(old - rollout log-prob), cap);
     a value <= 0 turns it off."""
@@ -151,7 +152,7 @@ class ActorConfig:
             raise ValueError("actor.ppo_max_token_len_per_gpu must be > 0")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"actor.loss_agg_mode={self.loss_agg_mode!r} is unknown; use one of {list(LOSS_AGG_MODES)}")
-        if self.kl_loss_type not in KL_LOSS_TYPES:
+        if self.kl_loss_type.rstrip("+") not in KL_LOSS_TYPES:
             raise ValueError(f"actor.kl_loss_type={self.kl_loss_type!r} is unknown; use one of {list(KL_LOSS_TYPES)}")
         if self.clip_ratio_low is None:
             self.clip_ratio_low = self.clip_ratio

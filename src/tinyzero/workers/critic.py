@@ -13,6 +13,7 @@ from torch import nn
 
 from tinyzero.protocol import DataProto
 from tinyzero.workers.batching import make_micro_batches, restore_order
+from tinyzero.workers.common import reshard
 from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.forward import response_values
 from tinyzero.workers.update import accumulate_gradients, mean_finite, mini_batches, optimizer_step
@@ -49,6 +50,7 @@ class PPOCritic:
         for micro in micros:
             batch = {k: v.to(self.device) for k, v in micro.batch.items()}
             values.append(response_values(self.model, batch).cpu())
+        reshard(self.model)
         values = restore_order(torch.cat(values), parts)
         if "response_mask" in data.batch:
             values = values * data.batch["response_mask"].to(values.dtype)
@@ -60,6 +62,9 @@ class PPOCritic:
         cfg = self.config
         mask = batch["response_mask"].float()  # (b, R)
         vpreds = response_values(self.model, batch)  # (b, R)
+        if not bool(mask.any()):
+            zero = vpreds.sum() * 0.0  # no valid token: a zero loss still runs backward
+            return zero, (zero,) * 3
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds=vpreds, returns=batch["returns"], values=batch["values"], response_mask=mask,
             cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode)
@@ -75,7 +80,8 @@ class PPOCritic:
             raise ValueError(f"update_critic: batch lacks {missing} (compute_values and compute_advantage "
                              f"must run first)")
         data = data.select(batch_keys=keys)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The optimizer's parameters are the sharded ones (model.parameters() may list gathered copies).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
         grad_norms = []
         for epoch in range(cfg.ppo_epochs):

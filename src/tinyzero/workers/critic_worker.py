@@ -67,9 +67,12 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None):
-        """Sharded critic checkpoint (model, optimizer, lr scheduler, RNG) under `local_path`."""
+        """Sharded critic checkpoint (model, optimizer, lr scheduler) in the role folder `local_path`.
+
+        `max_ckpt_to_keep` is accepted for veRL compatibility; the checkpoint manager prunes.
+        """
         with on_device(self.critic.model, self.config.fsdp_config, self.device, self.critic.optimizer):
-            checkpointing.save_role(self, self.critic, local_path, global_step, max_ckpt_to_keep,
+            checkpointing.save_role(self, self.critic, local_path, global_step,
                                     self.config.checkpoint.contents)
         return local_path
 

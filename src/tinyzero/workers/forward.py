@@ -40,7 +40,9 @@ def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, t
     r = responses.shape[1]
     hidden = out.last_hidden_state[:, -r - 1:-1]  # (batch, R, hidden)
     weight = self.get_output_embeddings().weight  # (vocab, hidden)
-    return linear_log_probs(hidden, weight, responses, temperature=temperature, return_entropy=return_entropy)
+    out = linear_log_probs(hidden, weight, responses, temperature=temperature, return_entropy=return_entropy)
+    # Fresh tensors, not views: FSDP hooks the outputs of a forward method for backward.
+    return tuple(t.clone() for t in out) if return_entropy else out.clone()
 
 
 def attach_log_prob_method(model: nn.Module) -> nn.Module:

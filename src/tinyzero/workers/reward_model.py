@@ -18,7 +18,7 @@ import torch
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers.batching import make_micro_batches, restore_order
-from tinyzero.workers.common import fsdp_mesh, offload_after_init, on_device, response_mask_of
+from tinyzero.workers.common import fsdp_mesh, offload_after_init, on_device, reshard, response_mask_of
 from tinyzero.workers.config import RewardModelConfig
 from tinyzero.workers.forward import attach_score_method
 
@@ -98,6 +98,7 @@ class RewardModelWorker(Worker):
             cols = torch.arange(attn.shape[1]).expand_as(attn)
             last = (cols * attn).argmax(-1)
             scores.append(token_scores[torch.arange(len(last)), last])
+        reshard(self.model)
         return restore_order(torch.cat(scores), parts)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -44,13 +44,13 @@ def accumulate_gradients(micros: Sequence[DataProto], mini_mask: torch.Tensor, l
     A stat of kind "loss" is weighted like the loss, one of kind "token" as a token-mean.
     Returns the mini-batch statistics summed over the data-parallel group (float64, CPU).
     """
-    global_tokens, global_rows = global_counts(mini_mask, dp_group)
+    counts = global_counts(mini_mask, dp_group)
     stats = torch.zeros(len(stat_kinds), dtype=torch.float64, device=device)
     for micro in micros:
         batch = {k: v.to(device) for k, v in micro.batch.items()}
         mask = micro.batch["response_mask"]
-        w = micro_weight(loss_agg_mode, mask, global_tokens, global_rows)
-        tw = token_weight(mask, global_tokens)
+        w = micro_weight(loss_agg_mode, mask, counts)
+        tw = token_weight(mask, counts)
         loss, parts = micro_loss_fn(batch)
         # FSDP averages gradients over its dp_size ranks; the factor undoes that division.
         (loss * (w * dp_size)).backward()
