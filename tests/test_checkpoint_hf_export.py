@@ -83,3 +83,53 @@ def test_hf_export_reloads_with_identical_logits(tiny_model_dir, exported, which
     tok = AutoTokenizer.from_pretrained(out)
     text = "<answer> (1 + 2) / 3 </answer>"
     assert tok.decode(tok(text)["input_ids"]) == text
+
+
+_VLLM_SCRIPT = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=4,
+          kv_cache_memory_bytes=16 << 20, seed=0, disable_log_stats=True)
+prompts = json.loads(sys.argv[2])
+out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in out]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_hf_export_loads_in_vllm(tmp_path):
+    """vLLM loads a multi-file export (tied embeddings, index json) and tokenizes with its tokenizer;
+    greedy tokens equal HF generate on the same folder. vLLM's CPU attention needs head_dim >= 32."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinyzero.models.loading import load_causal_lm, load_tokenizer
+    from tinyzero.models.tiny import build_tiny_model
+    from tinyzero.trainer.hf_export import export_hf
+
+    src = build_tiny_model(str(tmp_path / "src"), seed=0, num_heads=2, num_kv_heads=1)
+    model = load_causal_lm(src)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # sharper logits: greedy decoding far from ties
+    out = export_hf(model, str(tmp_path / "hf"), tokenizer=load_tokenizer(src), max_shard_bytes=100_000)
+    prompts = ["Using the numbers [3, 5, 8]", "hello\nworld"]
+    res = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, out, json.dumps(prompts)], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    vllm_tokens = json.loads(lines[-1][len("RESULT "):])
+
+    tok = AutoTokenizer.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, vllm_tokens):
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, min_new_tokens=12)
+        assert got == ref[0, ids.shape[1]:].tolist()

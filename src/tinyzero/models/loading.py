@@ -172,12 +172,22 @@ def load_model(
         with torch.device("meta"):
             model = auto.from_config(cfg, dtype=torch_dtype, attn_implementation=attn,
                                      trust_remote_code=trust_remote_code)
+        _attach_generation_config(model, full)
         return model
     model = auto.from_pretrained(
         full, config=cfg, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
         local_files_only=True,
     )
     return model.to(device)
+
+
+def _attach_generation_config(model, folder: str) -> None:
+    """Give a config-built model the folder's generation_config.json (eos ids etc.), as from_pretrained does."""
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")) or not hasattr(model, "generation_config"):
+        return
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
 
 
 def load_causal_lm(

@@ -106,6 +106,8 @@ def export_hf(
             if dtype is not None:
                 cfg.dtype = dtype
             cfg.save_pretrained(tmp)
+        if generation_config is None and getattr(model, "can_generate", lambda: False)():
+            generation_config = getattr(model, "generation_config", None)  # eos ids for vLLM / generate()
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
