@@ -111,3 +111,40 @@ def test_value_and_reward_models(tiny_model_dir, tmp_path):
     with torch.no_grad():
         out = rm(ids).logits
     assert out.shape == (2, 1)
+
+
+def _write_arch(folder, arch: str, tiny_model_dir: str) -> str:
+    """A small random Llama / Mistral folder sharing the tiny tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    common = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=256, eos_token_id=258, bos_token_id=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(**common) if arch == "llama" else MistralConfig(sliding_window=None, **common)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_model_dir, name), folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_other_architectures(tiny_model_dir, tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.models.fsdp import decoder_layers
+    from tinyzero.models.value import load_value_model
+
+    path = _write_arch(tmp_path / arch, arch, tiny_model_dir)
+    model = load_causal_lm(path)
+    assert model.config.model_type == arch and len(decoder_layers(model)) == 3
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+    value = load_value_model(path)
+    assert len(decoder_layers(value)) == 3
+    with torch.no_grad():
+        assert value(ids).logits.shape == (2, 9, 1)
+    meta = load_causal_lm(path, device="meta")
+    assert sum(p.numel() for p in meta.parameters()) == sum(p.numel() for p in model.parameters())
