@@ -172,3 +172,39 @@ def test_value_model_sharded(tiny_model_dir):
     for vals in results:
         for v in vals:  # both ranks ran the same batch
             torch.testing.assert_close(torch.from_numpy(v), expected, **TOL)
+
+
+def _subset_pool(path: str):
+    """World of 3; the model lives on a pool of global ranks {1, 2} (rank 1 is the pool's source)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tinyzero.distributed import init_distributed
+    from tinyzero.models.config import FSDPConfig, ModelConfig
+    from tinyzero.models.fsdp import load_sharded_model
+
+    init_distributed()
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("fsdp",))
+    model = load_sharded_model(ModelConfig(path=path, enable_gradient_checkpointing=False), FSDPConfig(), mesh)
+    ids, mask, pos = _batch(seed=4, batch=2)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    return logits.numpy()
+
+
+@pytest.mark.slow
+def test_meta_init_on_pool_subset(tiny_model_dir):
+    from tinyzero.models.loading import load_causal_lm
+
+    results = run_distributed(_subset_pool, 3, tiny_model_dir)
+    ref = load_causal_lm(tiny_model_dir)
+    ids, mask, pos = _batch(seed=4, batch=2)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert results[0] is None
+    for logits in results[1:]:
+        torch.testing.assert_close(torch.from_numpy(logits), expected, **TOL)

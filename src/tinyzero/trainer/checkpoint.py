@@ -199,7 +199,24 @@ class CheckpointManager:
         return None
 
     def resolve_resume(self, resume: str) -> str | None:
-        """`resume` = "auto" (latest valid, or None), "disable" (None), or a checkpoint folder (validated)."""
+        """`resume` = "auto" (latest valid, or None), "disable" (None), or a checkpoint folder (validated).
+
+        Collective when torch.distributed is initialized: rank 0 validates (reading every file once, not once
+        per rank) and broadcasts the answer, so every rank resumes from the same folder or raises the same error.
+        """
+        result: list = [None, None]  # [path, error message]
+        if _rank() == 0:
+            try:
+                result[0] = self._resolve_resume_local(resume)
+            except ValueError as e:
+                result[1] = str(e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(result, src=0)
+        if result[1] is not None:
+            raise ValueError(result[1])
+        return result[0]
+
+    def _resolve_resume_local(self, resume: str) -> str | None:
         if resume in ("disable", "", None):
             return None
         if resume == "auto":
