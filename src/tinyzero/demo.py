@@ -27,6 +27,8 @@ import sys
 import time
 
 MAX_OPERAND = 4
+# Warm-up targets are near misses (the sum never appears): the model learns the format and a rough guess.
+SFT_OFFSETS = (-3, -2, 2, 3)
 
 
 def build_data(out_dir: str, seed: int = 0) -> None:
@@ -47,7 +49,8 @@ def build_data(out_dir: str, seed: int = 0) -> None:
     write_parquet(rows("train", 8), os.path.join(out_dir, "train.parquet"))
     write_parquet(rows("test", 1), os.path.join(out_dir, "test.parquet"))
     rng = random.Random(seed)
-    sft = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(rng.randint(0, 2 * MAX_OPERAND))}
+    sft = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "response": str(rng.choice([a + b + d for d in SFT_OFFSETS if a + b + d >= 0]))}
            for _ in range(16) for a, b in problems]
     write_parquet(sft, os.path.join(out_dir, "sft.parquet"))
 

@@ -1,0 +1,152 @@
+"""Single-model training on FSDP2 (SFT, reward model): a worker with a loss, and a short driver loop.
+
+    wg = WorkerGroup(resource_pool=ResourcePool(), cls_with_init=ClassWithInitArgs(
+        SupervisedWorker, cfg.actor_rollout_ref, "sft"))
+    wg.init_model()
+    metrics = wg.train_step(batch)        # one optimizer step on the global batch (rows split over ranks)
+
+Losses are exact under data parallelism: each rank's sum is divided by the global count (of
+response tokens for SFT, of pairs for the RM), and FSDP's gradient averaging is undone by the
+world-size factor, so N ranks compute what one rank would on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tinyzero.protocol import DataProto
+from tinyzero.single_controller import Dispatch, Worker, register
+from tinyzero.workers import checkpointing
+from tinyzero.workers.common import fsdp_mesh
+from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+from tinyzero.workers.scaling import all_reduce_sum
+from tinyzero.workers.update import optimizer_step
+
+
+def sft_loss_sums(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(summed NLL over response tokens, {"tokens": count}) for one micro-batch."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, :-1].float()  # (b, T-1, V)
+    labels = batch["input_ids"][:, 1:]  # (b, T-1)
+    mask = batch["loss_mask"][:, 1:].float()  # (b, T-1): predict token t+1 where it is a response token
+    nll = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (b, T-1)
+    return (nll * mask).sum(), {"count": mask.sum()}
+
+
+def rm_scores(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(b,) scalar reward at each row's last attended token."""
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    if out.dim() == 3:  # token-level head (b, T, 1): read the last attended position
+        last = (torch.arange(attn.shape[1], device=attn.device) * attn).argmax(-1)
+        out = out[torch.arange(len(last), device=attn.device), last]
+    return out.reshape(-1).float()
+
+
+def rm_loss_sums(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(summed -log sigmoid(r_chosen - r_rejected), {"count": pairs, "correct": pairs ranked right})."""
+    chosen = rm_scores(model, batch["chosen_input_ids"], batch["chosen_attention_mask"],
+                       batch["chosen_position_ids"])
+    rejected = rm_scores(model, batch["rejected_input_ids"], batch["rejected_attention_mask"],
+                         batch["rejected_position_ids"])
+    margin = chosen - rejected  # (b,)
+    return -F.logsigmoid(margin).sum(), {"count": torch.tensor(float(len(margin))),
+                                         "correct": (margin > 0).float().sum().detach()}
+
+
+def sft_count(batch: dict) -> float:
+    return float(batch["loss_mask"][:, 1:].sum())
+
+
+def rm_count(batch: dict) -> float:
+    return float(len(batch["chosen_input_ids"]))
+
+
+# mode -> (loss sums of a micro-batch, what the loss is averaged over, model kind)
+LOSSES = {"sft": (sft_loss_sums, sft_count, "causal_lm"), "rm": (rm_loss_sums, rm_count, "reward")}
+
+
+class SupervisedWorker(Worker):
+    """One trainable model and a loss from LOSSES; the model/optim/fsdp settings of actor_rollout_ref."""
+
+    def __init__(self, config, mode: str):
+        super().__init__()
+        if mode not in LOSSES:
+            raise ValueError(f"mode={mode!r}: use one of {sorted(LOSSES)}")
+        self.config = config
+        self.mode = mode
+        self.loss_fn, self.count_fn, self.kind = LOSSES[mode]
+        self.model = self.optimizer = self.lr_scheduler = self.tokenizer = None
+        self.num_updates = 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        from tinyzero.models.fsdp import load_sharded_model
+        from tinyzero.models.loading import load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
+        fsdp = cfg.actor.fsdp_config
+        self.model = load_sharded_model(cfg.model, fsdp, fsdp_mesh(self, fsdp), kind=self.kind)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.actor.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim)
+
+    def _micro_batches(self, data: DataProto) -> list[DataProto]:
+        mbs = self.config.actor.ppo_micro_batch_size_per_gpu
+        return data.split(mbs) if mbs else [data]
+
+    def _run(self, data: DataProto, train: bool) -> dict[str, float]:
+        """Sum the loss over micro-batches (backward each when training); return global means."""
+        micros = self._micro_batches(data)
+        batches = [{k: v.to(self.device) for k, v in m.batch.items()} for m in micros]
+        count = torch.tensor([sum(self.count_fn(b) for b in batches)], dtype=torch.float64)
+        total = all_reduce_sum(count, self.process_group).item()
+        sums = torch.zeros(3, dtype=torch.float64)  # loss, count, correct
+        for b in batches:
+            with torch.set_grad_enabled(train):
+                loss_sum, stats = self.loss_fn(self.model, b)
+            if train:
+                (loss_sum * (self.world_size / max(total, 1.0))).backward()
+            sums += torch.tensor([loss_sum.item(), float(stats["count"]), float(stats.get("correct", 0.0))],
+                                 dtype=torch.float64)
+        all_reduce_sum(sums, self.process_group)
+        prefix = "train" if train else "val"
+        out = {f"{prefix}/loss": sums[0].item() / max(sums[1].item(), 1.0)}
+        if self.mode == "rm":
+            out[f"{prefix}/acc"] = sums[2].item() / max(sums[1].item(), 1.0)
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def train_step(self, data: DataProto) -> DataProto:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self._run(data, train=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm, stepped = optimizer_step(self.optimizer, params, self.config.actor.grad_clip, self.mode)
+        metrics["train/lr"] = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        self.num_updates += 1
+        metrics.update({"train/grad_norm": grad_norm, "train/num_skipped_steps": float(not stepped)})
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def eval_step(self, data: DataProto) -> DataProto:
+        self.model.eval()
+        return DataProto(meta_info={"metrics": self._run(data, train=False)})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0):
+        checkpointing.save_role(self, self, local_path, global_step, ["model", "optimizer", "extra"])
+        return local_path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str):
+        checkpointing.load_role(self, self, local_path)
+        return local_path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> str:
+        os.makedirs(out_dir, exist_ok=True)
+        return checkpointing.export_hf(self, self.model, out_dir, self.tokenizer)
