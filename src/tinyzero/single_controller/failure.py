@@ -1,0 +1,186 @@
+"""Failure handling for the SPMD controller: a worker error ends the whole job, loudly and soon.
+
+Three mechanisms, from cheapest to last resort:
+
+1. After every call the pool's ranks exchange a status (ok, or the formatted traceback) in
+   the same small collective that carries the result's metadata, so every rank of the pool
+   raises `RemoteWorkerError` with the failing rank's traceback.
+2. A failing rank also writes its traceback under an "abort" key in the job's key-value store
+   (the TCPStore torch.distributed was initialised with). Ranks outside the pool check it
+   before they wait for that pool's result, so they raise the same error instead of waiting.
+3. A watchdog thread per process polls the abort key. A rank that is stuck where no status
+   can reach it (inside a collective of a worker method whose peer died) prints the remote
+   traceback and exits after a grace period (TINYZERO_ABORT_GRACE_S, default 10 s), so no
+   rank is left hanging.
+
+Collective timeouts come from TINYZERO_COLLECTIVE_TIMEOUT_S (default 1800 s) unless a
+ResourcePool is given its own `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+__all__ = ["RemoteWorkerError", "SPMDDivergenceError", "collective_timeout_s", "control_store",
+           "record_abort", "read_abort", "guard", "start_watchdog"]
+
+_KEY_PREFIX = "tinyzero/sc/"
+_ABORT_KEY = "abort"
+
+
+class RemoteWorkerError(RuntimeError):
+    """A worker method raised on some rank; carries that rank's formatted traceback."""
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        _state.raised = True
+
+
+class SPMDDivergenceError(RuntimeError):
+    """Ranks entered different controller calls (or the same call with different arguments)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        _state.raised = True
+
+
+class _State:
+    store = None
+    store_owner = None  # the default process group the store belongs to
+    raised = False
+    origin = False  # this rank published the abort
+    watchdog: threading.Thread | None = None
+
+
+_state = _State()
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get("TINYZERO_COLLECTIVE_TIMEOUT_S", "1800"))
+
+
+def abort_grace_s() -> float:
+    return float(os.environ.get("TINYZERO_ABORT_GRACE_S", "10"))
+
+
+def control_store():
+    """The job's TCPStore under a private prefix (None when it cannot be reached)."""
+    if not dist.is_initialized():
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    if _state.store is None or _state.store_owner is not group:
+        try:
+            base = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - a store is a convenience, never a requirement
+            return None
+        _state.store = dist.PrefixStore(_KEY_PREFIX, base)
+        _state.store_owner = group
+        _state.raised = False
+    return _state.store
+
+
+def record_abort(message: str) -> None:
+    """Publish the first failure of the job (later ones keep the first message)."""
+    store = control_store()
+    if store is None:
+        return
+    try:
+        if store.add("abort_count", 1) == 1:
+            store.set(_ABORT_KEY, message)
+            _state.origin = True
+    except Exception:  # noqa: BLE001 - the store may already be gone while the job dies
+        pass
+
+
+def read_abort() -> str | None:
+    store = control_store()
+    if store is None:
+        return None
+    try:
+        if store.check([_ABORT_KEY]):
+            return store.get(_ABORT_KEY).decode(errors="replace")
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def wait_for_key(key: str, timeout_s: float, what: str) -> bytes:
+    """Wait for `key` in the control store; raise RemoteWorkerError as soon as an abort is recorded."""
+    store = control_store()
+    deadline = time.monotonic() + timeout_s
+    sleep_s, last_abort_check = 1e-4, time.monotonic()
+    while True:
+        # Polling with backoff: store.wait() with a short timeout logs a warning on every expiry.
+        if store.check([key]):
+            return store.get(key)
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"rank {dist.get_rank()}: no answer for {what} after {timeout_s:.0f} s "
+                               "(TINYZERO_COLLECTIVE_TIMEOUT_S); a rank stopped participating")
+        if now - last_abort_check > 0.5:
+            last_abort_check = now
+            aborted = read_abort()
+            if aborted is not None:
+                raise RemoteWorkerError(f"rank {dist.get_rank()} gave up waiting for {what}: {aborted}",
+                                        remote_traceback=aborted)
+        time.sleep(sleep_s)
+        sleep_s = min(sleep_s * 2, 0.01)
+
+
+@contextmanager
+def guard(what: str):
+    """Turn a collective that failed because a peer died into the peer's own error when known."""
+    try:
+        yield
+    except (RemoteWorkerError, SPMDDivergenceError):
+        raise
+    except Exception as e:
+        time.sleep(0.2)  # let the failing rank publish its traceback
+        aborted = read_abort()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if aborted is not None:
+            raise RemoteWorkerError(f"rank {rank}: {what} failed after another rank aborted: {aborted}",
+                                    remote_traceback=aborted) from e
+        raise
+
+
+def _watch(poll_s: float) -> None:
+    seen_at = None
+    while True:
+        time.sleep(poll_s)
+        try:
+            message = read_abort() if dist.is_initialized() else None
+        except Exception:  # noqa: BLE001 - the job is being torn down
+            return
+        if message is None or _state.raised:
+            seen_at = None
+            continue
+        seen_at = seen_at or time.monotonic()
+        # The failing rank goes first: its exit breaks its peers' pending collectives, which
+        # then raise RemoteWorkerError with its traceback instead of being killed.
+        grace = abort_grace_s() * (1 if _state.origin else 2)
+        if time.monotonic() - seen_at >= grace:
+            rank = dist.get_rank() if dist.is_initialized() else -1
+            sys.stderr.write(f"[tinyzero] rank {rank}: exiting because another rank failed and this rank "
+                             f"could not be told in time:\n{message}\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def start_watchdog(poll_s: float = 0.5) -> None:
+    """Start the per-process abort watchdog once (only useful with more than one rank)."""
+    if _state.watchdog is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if os.environ.get("TINYZERO_ABORT_WATCHDOG", "1") == "0":
+        return
+    _state.watchdog = threading.Thread(target=_watch, args=(poll_s,), name="tinyzero-abort-watchdog", daemon=True)
+    _state.watchdog.start()
