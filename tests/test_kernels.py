@@ -254,3 +254,23 @@ def test_group_statistics():
     torch.testing.assert_close(m2, torch.tensor([0.0, 0.0, 0.0, 0.0, 12.5], dtype=torch.float64))
     mixed, n_mixed = group_ids(["x", 1, "x", 1])
     assert n_mixed == 2 and mixed[0] == mixed[2] and mixed[1] == mixed[3]
+
+
+@pytest.mark.parametrize("c", [0.0, 0.5, 0.97, 1.0])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 4500])  # 4500 > 64 * 64: two carry levels
+def test_discounted_reverse_cumsum(c, length):
+    from tinyzero.kernels.scan import discounted_reverse_cumsum
+
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(3, length, generator=g)
+    ref = ref_scan(torch.full((3, length), c, dtype=torch.float64), x)
+    assert_rel(discounted_reverse_cumsum(x, c), ref, torch.float32)
+    assert_rel(discounted_reverse_cumsum(x.double(), c), ref, torch.float64)
+
+
+def test_right_padded_detection_picks_the_general_path_for_holes():
+    from tinyzero.kernels.scan import is_right_padded
+
+    assert is_right_padded(torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]]))
+    assert not is_right_padded(torch.tensor([[1.0, 0, 1]]))
+    assert not is_right_padded(torch.tensor([[0.5, 0.5, 0]]))
