@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,29 @@ def test_reward_config_validation():
         RewardConfig(gsm8k_method="fuzzy")
     with pytest.raises(ValueError, match="reward.custom_fn"):
         RewardConfig(custom_fn="file_without_function.py")
+
+
+def test_pool_kills_a_worker_stuck_past_its_deadline(tmp_path):
+    from tinyzero.rewards.scoring import ScoringPool
+
+    path = tmp_path / "stuck.py"
+    path.write_text(
+        "import signal, time\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'hang':\n"
+        "        signal.signal(signal.SIGALRM, signal.SIG_IGN)  # defeats the per-sample alarm\n"
+        "        time.sleep(60)\n"
+        "    return 1.0\n"
+    )
+    pool = ScoringPool(2, custom_fn=f"{path}:score", timeout_s=0.2, slack_s=1.0)
+    try:
+        tasks = [("x", "ok", "g", None), ("x", "ok", "g", None), ("x", "hang", "g", None), ("x", "ok", "g", None)]
+        start = time.perf_counter()
+        results = pool.score(tasks)
+        assert time.perf_counter() - start < 20
+        assert [r["score"] for r in results] == [1.0, 1.0, 0.0, 0.0]  # the stuck worker's chunk times out
+        assert [r["timeout"] for r in results] == [False, False, True, True]
+        # The next call gets a fresh worker.
+        assert [r["score"] for r in pool.score(tasks[:2] * 2)] == [1.0] * 4
+    finally:
+        pool.close()

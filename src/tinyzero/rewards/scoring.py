@@ -6,18 +6,26 @@ limit yields score 0 with `error` (the exception text) or `timeout` set, and the
 
 The time limit uses SIGALRM in the main thread of the scoring process (the trainer's main
 thread, or a pool worker's). Its exception derives from BaseException so a scorer's own
-`except Exception` cannot swallow it. The pool (spawned processes, created once and reused)
-also guards each chunk with a deadline: a worker stuck in C code past it is terminated, its
-samples count as timeouts, and the next call starts a fresh pool.
+`except Exception` cannot swallow it. Pool workers are plain subprocesses running
+`python -m tinyzero.rewards.scoring_worker` (started once, reused), fed over pipes; unlike a
+multiprocessing pool they never re-import the trainer's main script. Each worker's chunk also
+has a deadline: a worker stuck in C code past it is killed, its samples count as timeouts,
+and the next call starts a fresh worker.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
+import os
+import pickle
 import signal
+import struct
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 from tinyzero.rewards.registry import get_scorer, load_custom_fn, normalize_result
@@ -88,78 +96,108 @@ def score_tasks(tasks, custom_fn: str | None = None, options: dict | None = None
         return [_score_one(t, custom_fn, options, timeout_s, alarm) for t in tasks]
 
 
-_WORKER_ARGS: tuple = (None, {}, 0.0)
+_HEADER = struct.Struct("<Q")
 
 
-def _init_worker(custom_fn, options, timeout_s):
-    global _WORKER_ARGS
-    _WORKER_ARGS = (custom_fn, options, timeout_s)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
+def write_message(stream, obj) -> None:
+    """Length-prefixed pickle on a binary stream (parent <-> its own worker only)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)))
+    stream.write(data)
+    stream.flush()
 
 
-def _score_chunk(tasks):
-    custom_fn, options, timeout_s = _WORKER_ARGS
-    return score_tasks(tasks, custom_fn, options, timeout_s)
+def read_message(stream):
+    """The next length-prefixed pickle from a binary stream; EOFError when the peer is gone."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("scoring worker closed its pipe")
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("scoring worker closed its pipe mid-message")
+    return pickle.loads(data)
+
+
+class _Worker:
+    def __init__(self, settings: tuple):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tinyzero.rewards.scoring_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        write_message(self.proc.stdin, settings)
+
+    def run(self, tasks: list) -> list[dict]:
+        write_message(self.proc.stdin, tasks)
+        return read_message(self.proc.stdout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 class ScoringPool:
-    """A reusable pool of spawned scoring processes with a per-chunk deadline."""
+    """Reusable scoring subprocesses; each call splits the tasks into one chunk per worker."""
 
     def __init__(self, num_workers: int, custom_fn: str | None = None, options: dict | None = None,
-                 timeout_s: float = 0.0, chunks_per_worker: int = 4):
+                 timeout_s: float = 0.0, slack_s: float = 60.0):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
         self.num_workers = num_workers
-        self.custom_fn = custom_fn
-        self.options = dict(options or {})
+        self.settings = (custom_fn, dict(options or {}), timeout_s)
         self.timeout_s = timeout_s
-        self.chunks_per_worker = chunks_per_worker
-        self._pool = None
+        self.slack_s = slack_s
+        self._workers: list[_Worker | None] = [None] * num_workers
+        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="reward-score")
 
-    def _ensure_pool(self):
-        if self._pool is None:
-            ctx = mp.get_context("spawn")
-            self._pool = ctx.Pool(self.num_workers, initializer=_init_worker,
-                                  initargs=(self.custom_fn, self.options, self.timeout_s))
-        return self._pool
+    def _worker(self, i: int) -> _Worker:
+        w = self._workers[i]
+        if w is None or not w.alive():
+            if w is not None:
+                w.kill()
+            w = self._workers[i] = _Worker(self.settings)
+        return w
 
     def score(self, tasks: list) -> list[dict]:
-        """Score tasks across the pool; order is preserved."""
+        """Score tasks across the workers; order is preserved."""
         if not tasks:
             return []
-        pool = self._ensure_pool()
-        size = math.ceil(len(tasks) / (self.num_workers * self.chunks_per_worker))
+        size = math.ceil(len(tasks) / self.num_workers)
         chunks = [tasks[i:i + size] for i in range(0, len(tasks), size)]
-        handles = [pool.apply_async(_score_chunk, (c,)) for c in chunks]
-        # Deadline per chunk: every sample may use its full limit, plus start-up slack.
-        deadline = None
-        if self.timeout_s > 0:
-            deadline = time.monotonic() + self.timeout_s * size + 120.0
+        workers = [self._worker(i) for i in range(len(chunks))]
+        futures = [self._threads.submit(w.run, c) for w, c in zip(workers, chunks)]
+        # Every sample may use its full limit, plus slack for start-up and transfer.
+        deadline = time.monotonic() + (self.timeout_s * size + self.slack_s if self.timeout_s > 0 else 3600.0)
         results: list[dict] = []
-        broken = False
-        for chunk, handle in zip(chunks, handles):
-            if broken:
-                results.extend(_failed(timeout=True) for _ in chunk)
-                continue
+        for i, (chunk, future) in enumerate(zip(chunks, futures)):
             try:
-                wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                results.extend(handle.get(wait))
-            except mp.TimeoutError:
-                broken = True
+                results.extend(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
+            except (FutureTimeout, EOFError, OSError, pickle.UnpicklingError):
+                workers[i].kill()  # also unblocks the thread waiting on its pipe
+                self._workers[i] = None
                 results.extend(_failed(timeout=True) for _ in chunk)
-        if broken:
-            self.close()
         return results
 
     def close(self) -> None:
-        """Terminate the worker processes (a later `score` starts a new pool)."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        """Stop the worker processes (a later `score` starts new ones)."""
+        for i, w in enumerate(self._workers):
+            if w is not None:
+                w.kill()
+                self._workers[i] = None
 
     def __del__(self):
         try:
             self.close()
+            self._threads.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

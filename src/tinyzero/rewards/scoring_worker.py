@@ -1,0 +1,29 @@
+"""A scoring worker process: `python -m tinyzero.rewards.scoring_worker`, started by ScoringPool.
+
+Reads (custom_fn, options, timeout_s) once from stdin, then task lists, and answers each with
+the list of score dicts on stdout (length-prefixed pickles; the parent is its only peer).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from tinyzero.rewards.scoring import read_message, score_tasks, write_message
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # prints from scorers must not corrupt the result pipe
+    custom_fn, options, timeout_s = read_message(stdin)
+    while True:
+        try:
+            tasks = read_message(stdin)
+        except EOFError:
+            return
+        write_message(stdout, score_tasks(tasks, custom_fn, options, timeout_s))
+
+
+if __name__ == "__main__":
+    main()
