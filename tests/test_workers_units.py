@@ -173,3 +173,51 @@ def test_micro_batch_shares_sum_to_mini_batch_loss(mode, num_micro):
     # agg_loss adds 1e-8 to per-row token counts in seq-mean-token-mean: relative error ~1e-8 there.
     tol = 1e-7 if mode == "seq-mean-token-mean" else 1e-12
     assert total == pytest.approx(_reference_agg(loss, mask, mode), rel=tol, abs=tol)
+
+
+def _plain_actor(model_dir, **actor_kw):
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.workers.actor import PPOActor
+    from tinyzero.workers.config import ActorConfig
+    from tinyzero.workers.forward import attach_log_prob_method
+    from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+
+    model = attach_log_prob_method(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    cfg = ActorConfig(ppo_mini_batch_size=4, **actor_kw)
+    opt = build_optimizer(model.parameters(), cfg.optim)
+    return PPOActor(cfg, model, opt, build_lr_scheduler(opt, cfg.optim))
+
+
+def _ppo_batch():
+    from tests.workers_helpers import make_batch
+
+    raw = make_batch(4, prompt_len=5, response_len=4)
+    keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
+    data = DataProto.from_dict({k: raw[k] for k in keys})
+    data.batch["old_log_probs"] = raw["noise_old"] - 5.0
+    return data
+
+
+def test_non_finite_gradient_skips_the_step(tiny_model_dir):
+    actor = _plain_actor(tiny_model_dir)
+    data = _ppo_batch()
+    data.batch["advantages"][0, 0] = float("nan")
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    metrics = actor.update_policy(data, rows_per_mini_batch=4)
+    assert metrics["actor/num_skipped_steps"] == 1.0
+    assert math.isnan(metrics["actor/grad_norm"])
+    for n, p in actor.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert p.grad is None
+
+
+def test_lr_follows_the_schedule_once_per_update(tiny_model_dir):
+    from tinyzero.workers.config import OptimConfig
+
+    optim = OptimConfig(lr=1e-4, warmup_style="cosine", lr_warmup_steps=1, total_training_steps=4, min_lr_ratio=0.1)
+    actor = _plain_actor(tiny_model_dir, optim=optim, ppo_epochs=2)  # 2 optimizer steps, one lr step per call
+    lrs = [actor.update_policy(_ppo_batch(), rows_per_mini_batch=2)["actor/lr"] for _ in range(4)]
+    expected = [1e-4 * cosine_lr_factor(s, 1, 4, 0.1) for s in range(4)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert actor.optimizer.state[next(iter(actor.optimizer.state))]["step"] == 4 * 2 * 2

@@ -19,7 +19,13 @@ from tinyzero.workers.batching import make_micro_batches, restore_order
 from tinyzero.workers.common import reshard
 from tinyzero.workers.config import ActorConfig
 from tinyzero.workers.forward import response_log_probs
-from tinyzero.workers.update import accumulate_gradients, mean_finite, mini_batches, optimizer_step
+from tinyzero.workers.update import (
+    accumulate_gradients,
+    mean_finite,
+    mini_batches,
+    optimizer_step,
+    step_scheduler,
+)
 
 # The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
 _STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
@@ -130,9 +136,7 @@ class PPOActor:
                 grad_norm, stepped = optimizer_step(self.optimizer, params, cfg.grad_clip, "actor")
                 grad_norms.append(grad_norm)
                 skipped += 0 if stepped else 1
-        lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else cfg.optim.lr
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        lr = step_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else cfg.optim.lr
         self.num_updates += 1
         steps = len(grad_norms)
         metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}

@@ -16,7 +16,13 @@ from tinyzero.workers.batching import make_micro_batches, restore_order
 from tinyzero.workers.common import reshard
 from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.forward import response_values
-from tinyzero.workers.update import accumulate_gradients, mean_finite, mini_batches, optimizer_step
+from tinyzero.workers.update import (
+    accumulate_gradients,
+    mean_finite,
+    mini_batches,
+    optimizer_step,
+    step_scheduler,
+)
 
 _STAT_NAMES = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
 _STAT_KINDS = ("loss", "token", "token")
@@ -95,9 +101,7 @@ class PPOCritic:
                                                   self.dp_group)
                 grad_norm, _ = optimizer_step(self.optimizer, params, cfg.grad_clip, "critic")
                 grad_norms.append(grad_norm)
-        lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else cfg.optim.lr
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        lr = step_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else cfg.optim.lr
         self.num_updates += 1
         steps = len(grad_norms)
         metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}

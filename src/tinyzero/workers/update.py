@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -91,3 +93,16 @@ def mean_finite(values: Sequence[float]) -> float:
     """Mean of the finite values (nan when there are none)."""
     finite = [v for v in values if math.isfinite(v)]
     return sum(finite) / len(finite) if finite else float("nan")
+
+
+def step_scheduler(lr_scheduler) -> float:
+    """Step the lr schedule once per update call; return the lr that call used."""
+    if lr_scheduler is None:
+        return float("nan")
+    lr = lr_scheduler.get_last_lr()[0]
+    with warnings.catch_warnings():
+        # After a skipped (non-finite) optimizer step torch warns about the call order; the
+        # schedule still advances once per update, as intended.
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        lr_scheduler.step()
+    return lr
