@@ -170,10 +170,12 @@ def gpu_mfu(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tinyzero.distributed import cleanup, init_distributed
+    from tinyzero.models.loading import load_tokenizer
     from tinyzero.models.tiny import build_tiny_model
 
     model_dir = tempfile.mkdtemp(prefix="train_mfu_")
-    build_tiny_model(model_dir)  # tokenizer files; the weights are replaced below
+    # The offline byte-level tokenizer (token ids of the batch are random over the full vocab anyway).
+    load_tokenizer(build_tiny_model(tempfile.mkdtemp(prefix="train_mfu_tok_"))).save_pretrained(model_dir)
     cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
                       tie_word_embeddings=True, rope_theta=1e6)
