@@ -100,6 +100,10 @@ class NativeRollout:
         if tags is None or "weights" in tags:
             self.model.to(self.device)
 
+    def shutdown(self) -> None:
+        """Free the KV cache (the model copy goes with the engine object)."""
+        self.decoder.release()
+
     # ------------------------------------------------------------------ generation
     def _seed(self) -> int:
         # A fresh stream per call and DP rank; the same call on the same engine state repeats exactly.

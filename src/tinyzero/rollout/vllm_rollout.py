@@ -65,6 +65,12 @@ class VLLMRollout:
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
 
+    def shutdown(self) -> None:
+        """Release the engine before torch.distributed is torn down."""
+        if self.llm is not None:
+            vllm_backend.shutdown(self.llm)
+            self.llm = None
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
         seed = self.config.seed * 1_000_003 + self.num_calls * 7_919 + self.dp_rank * 100_003

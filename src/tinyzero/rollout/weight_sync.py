@@ -11,7 +11,8 @@ its own bucket.
 
 Names are HF names: the prefixes added by torch.compile (`_orig_mod.`), activation
 checkpointing (`_checkpoint_wrapped_module.`), FSDP1 (`_fsdp_wrapped_module.`) and DDP
-(`module.`) are stripped. Tied weights appear once (under the first name registered).
+(`module.`) are stripped. Tied weights are gathered once and yielded under each of their
+names, so the stream carries exactly the model's state_dict keys (vLLM's reload needs lm_head).
 """
 
 from __future__ import annotations
@@ -46,46 +47,53 @@ def _gather(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t
 
 
-def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(clean name, tensor) for parameters and persistent buffers, tied tensors once."""
-    seen: set[int] = set()
-    out = []
-    for name, p in model.named_parameters(remove_duplicate=True):
-        seen.add(id(p))
-        out.append((clean_param_name(name), p))
+def named_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """([clean names], tensor) for parameters and persistent buffers; tied tensors appear once with all
+    their names (e.g. Qwen2.5's embed_tokens.weight and lm_head.weight), so they are gathered once."""
+    by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), ([], p))[0].append(clean_param_name(name))
     non_persistent = {
         f"{mod_name}.{b}" if mod_name else b
         for mod_name, mod in model.named_modules() for b in getattr(mod, "_non_persistent_buffers_set", ())
     }
-    for name, b in model.named_buffers(remove_duplicate=True):
-        if name in non_persistent or id(b) in seen:
-            continue
-        out.append((clean_param_name(name), b))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if name not in non_persistent:
+            by_id.setdefault(id(b), ([], b))[0].append(clean_param_name(name))
+    out = []
+    for names, t in by_id.values():
+        unique = list(dict.fromkeys(names))
+        out.append((unique, t))
     return out
 
 
 def iter_full_params(model: nn.Module, bucket_bytes: int = 512 << 20,
                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) for every parameter, gathering `bucket_bytes` at a time.
+    """Yield (hf_name, full tensor) for every state-dict entry, gathering `bucket_bytes` at a time.
 
-    dtype: cast the gathered tensors (e.g. bf16 for a bf16 engine) to halve what a bucket holds."""
+    Tied names share one gathered tensor. dtype: cast the gathered tensors (e.g. bf16 for a bf16
+    engine) to halve what a bucket holds."""
     if bucket_bytes < 1:
         raise ValueError("bucket_bytes must be >= 1 (rollout.weight_sync_bucket_mb sets it)")
-    bucket: list[tuple[str, torch.Tensor]] = []
+    bucket: list[tuple[list[str], torch.Tensor]] = []
     size = 0
-    for name, t in named_tensors(model):
+    for names, t in named_tensors(model):
         nbytes = _full_nbytes(t)
         if bucket and size + nbytes > bucket_bytes:
             yield from _emit(bucket, dtype)
             bucket, size = [], 0
-        bucket.append((name, t))
+        bucket.append((names, t))
         size += nbytes
     if bucket:
         yield from _emit(bucket, dtype)
 
 
-def _emit(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    gathered = [(name, _gather(t, dtype)) for name, t in bucket]
+def _emit(bucket: list[tuple[list[str], torch.Tensor]],
+          dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    gathered = [(names, _gather(t, dtype)) for names, t in bucket]
     bucket.clear()
     while gathered:
-        yield gathered.pop(0)
+        names, full = gathered.pop(0)
+        for name in names:
+            yield name, full
+        del full
