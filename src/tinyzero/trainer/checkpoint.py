@@ -138,24 +138,43 @@ class CheckpointManager:
         return name[0]
 
     def finalize(self, step: int, tmp_dir: str, extra: dict | None = None) -> str:
-        """Seal `tmp_dir` (after every rank wrote its part) as `<root>/global_step_<step>`; return that path."""
+        """Seal `tmp_dir` (after every rank wrote its part) as `<root>/global_step_<step>`; return that path.
+
+        Every rank fsyncs and hashes a share of the files (round robin), rank 0 writes the manifest
+        (COMPLETE.json, last) and renames the folder.
+        """
         _barrier()
         final = os.path.join(self.root, f"global_step_{step}")
+        listing: list = [None, None]  # [relative file paths, error]
         if _rank() == 0:
             if not os.path.isdir(tmp_dir) or not _TMP_RE.match(os.path.basename(tmp_dir)):
-                raise ValueError(f"{tmp_dir!r} is not a folder returned by begin_save")
-            files = {}
-            for dirpath, _, names in os.walk(tmp_dir):
-                for n in sorted(names):
-                    full = os.path.join(dirpath, n)
-                    rel = os.path.relpath(full, tmp_dir)
-                    _fsync_path(full)
-                    info = {"size": os.path.getsize(full)}
-                    if self.checksum:
-                        info["sha256"] = _sha256(full)
-                    files[rel] = info
-                _fsync_path(dirpath, directory=True)
-            manifest = {"format": 1, "global_step": step, "files": files, **(extra or {})}
+                listing[1] = f"{tmp_dir!r} is not a folder returned by begin_save"
+            else:
+                listing[0] = sorted(os.path.relpath(os.path.join(d, n), tmp_dir)
+                                    for d, _, names in os.walk(tmp_dir) for n in names)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            dist.broadcast_object_list(listing, src=0)
+        if listing[1] is not None:
+            raise ValueError(listing[1])
+        world = dist.get_world_size() if distributed else 1
+        mine = {}
+        for rel in listing[0][_rank()::world]:
+            full = os.path.join(tmp_dir, rel)
+            _fsync_path(full)
+            mine[rel] = {"size": os.path.getsize(full)}
+            if self.checksum:
+                mine[rel]["sha256"] = _sha256(full)
+        parts = [None] * world if _rank() == 0 else None
+        if distributed:
+            dist.gather_object(mine, parts, dst=0)
+        else:
+            parts = [mine]
+        if _rank() == 0:
+            files = {k: v for part in parts for k, v in part.items()}
+            for d, _, _ in os.walk(tmp_dir):
+                _fsync_path(d, directory=True)
+            manifest = {"format": 1, "global_step": step, "files": dict(sorted(files.items())), **(extra or {})}
             _atomic_write_text(os.path.join(tmp_dir, MARKER), json.dumps(manifest, indent=1))
             old = None
             if os.path.exists(final):  # re-saving a step: move the old one aside, swap, then delete it
