@@ -7,6 +7,7 @@ model whose every weight equals the step number, forever.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -39,9 +40,11 @@ def _toy_model(width: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
 
 
-def _save_step(mgr: CheckpointManager, step: int, model, optim=None) -> str:
+def _save_step(mgr: CheckpointManager, step: int, model, optim=None, critic=None) -> str:
     tmp = mgr.begin_save(step)
     save_state(os.path.join(tmp, "actor"), model, optim)
+    if critic is not None:  # a second role writes its own sub-folder of the same step
+        save_state(os.path.join(tmp, "critic"), critic)
     save_trainer_state(tmp, {"global_step": step, "dataloader": {"epoch": 0, "index": step * 4}})
     save_rng_state(tmp)
     return mgr.finalize(step, tmp)
@@ -49,13 +52,21 @@ def _save_step(mgr: CheckpointManager, step: int, model, optim=None) -> str:
 
 def test_keep_last_latest_and_corruption(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "ckpt"), keep_last=2)
-    model = _toy_model()
+    model, critic = _toy_model(), _toy_model(8)
     for step in (1, 2, 3):
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(step)
-        _save_step(mgr, step, model)
+            for p in critic.parameters():
+                p.fill_(-step)
+        _save_step(mgr, step, model, critic=critic)
     assert [s for s, _ in mgr.checkpoints()] == [3, 2]  # step 1 pruned
+    manifest = json.load(open(os.path.join(mgr.root, "global_step_3", "COMPLETE.json")))
+    assert {"actor/.metadata", "critic/.metadata", "trainer_state.json", "rng/rank_0.json"} <= set(manifest["files"])
+    assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
+    fresh_critic = _toy_model(8)
+    load_state(os.path.join(mgr.root, "global_step_3", "critic"), fresh_critic)
+    assert all(torch.all(p == -3) for p in fresh_critic.parameters())
     assert mgr.latest().endswith("global_step_3")
     assert open(os.path.join(mgr.root, "latest_checkpointed_iteration.txt")).read() == "3"
     assert load_trainer_state(mgr.latest())["dataloader"]["index"] == 12
