@@ -26,7 +26,8 @@ ENTROPY_COEFF = 0.01
 KL_COEF = 0.1
 
 
-def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, max_tokens: int = 64):
+def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, max_tokens: int = 64,
+             agg: str = "token-mean"):
     from tinyzero.models.config import ModelConfig
     from tinyzero.rollout.config import RolloutConfig
     from tinyzero.workers.config import (
@@ -41,7 +42,8 @@ def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, ma
     model = ModelConfig(path=model_dir, enable_gradient_checkpointing=True)
     actor = ActorConfig(ppo_mini_batch_size=NUM_ROWS, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic,
                         ppo_max_token_len_per_gpu=max_tokens, grad_clip=1e4, entropy_coeff=ENTROPY_COEFF,
-                        use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl", optim=optim, **CLIP)
+                        use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl", optim=optim,
+                        loss_agg_mode=agg, **CLIP)
     arr = ActorRolloutRefConfig(model=model, actor=actor, ref=RefConfig(log_prob_micro_batch_size_per_gpu=3),
                                 rollout=RolloutConfig(n=1, prompt_length=7, response_length=6,
                                                       log_prob_micro_batch_size_per_gpu=3))
@@ -174,13 +176,14 @@ def resume_rank_fn(model_dir: str, ckpt_dir: str):
 def runs(tiny_model_dir, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("actor_ckpt"))
     one = run_distributed(actor_rank_fn, 1, tiny_model_dir, [{}], None, timeout=600)[0]
-    variants = [{}, {"micro": 1}, {"dynamic": True, "max_tokens": 20, "checkpoint": True}]
+    variants = [{}, {"micro": 1}, {"micro": 1, "agg": "seq-mean-token-sum-norm"},
+                {"dynamic": True, "max_tokens": 20, "checkpoint": True}]
     two = run_distributed(actor_rank_fn, 2, tiny_model_dir, variants, ckpt, timeout=900)[0]
     two[-1]["resume_1_rank"] = run_distributed(resume_rank_fn, 1, tiny_model_dir, ckpt, timeout=600)[0]
     return _torch(one), _torch(two)
 
 
-def _reference(model_dir: str):
+def _reference(model_dir: str, agg: str = "token-mean"):
     """float64 single-process reference: loss, grad norm and parameters after one AdamW step."""
     from transformers import AutoModelForCausalLM
 
@@ -192,7 +195,7 @@ def _reference(model_dir: str):
     batch["old_log_probs"] = lp + raw["noise_old"]
     batch["ref_log_prob"] = lp + raw["noise_ref"]
     loss, pg_loss = reference_actor_loss(model, batch, CLIP["clip_ratio_low"], CLIP["clip_ratio_high"],
-                                         CLIP["clip_ratio_c"], ENTROPY_COEFF, KL_COEF)
+                                         CLIP["clip_ratio_c"], ENTROPY_COEFF, KL_COEF, loss_agg_mode=agg)
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.01)
@@ -220,26 +223,31 @@ def test_compute_log_prob_matches_hf(runs, tiny_model_dir):
     torch.testing.assert_close(got["entropys"][mask].double(), ref_ent[mask], rtol=0, atol=1e-5)
     # The reference policy equals the actor before any update.
     torch.testing.assert_close(got["ref_log_prob"][mask], got["log_probs"][mask], rtol=0, atol=1e-6)
-    # Rank 0 of the 2-rank run holds rows 0..3 and computes them the same way.
-    rows = two[0]["rows"]
-    torch.testing.assert_close(two[0]["log_probs"][mask[rows]].double(), ref_lp[rows][mask[rows]], rtol=0,
-                               atol=1e-5)
+    # Rank 0 of the 2-rank runs holds rows 0..3 (fixed and token-budget micro-batches alike).
+    for res in two:
+        rows = res["rows"]
+        torch.testing.assert_close(res["log_probs"][mask[rows]].double(), ref_lp[rows][mask[rows]], rtol=0,
+                                   atol=1e-5)
 
 
 def test_actor_update_matches_reference_under_any_split(runs, tiny_model_dir):
     one, two = runs
-    ref_lp, ref_pg, ref_norm, ref_params = _reference(tiny_model_dir)
+    refs = {agg: _reference(tiny_model_dir, agg) for agg in ("token-mean", "seq-mean-token-sum-norm")}
     for res in [one[0], *two]:
+        _, ref_pg, ref_norm, ref_params = refs[res["variant"].get("agg", "token-mean")]
         m = res["metrics"]
         assert m["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-4), res["variant"]
         assert m["actor/pg_loss"] == pytest.approx(ref_pg, rel=1e-4, abs=1e-6), res["variant"]
         assert m["actor/lr"] == pytest.approx(LR)
+        assert m["actor/pg_clipfrac"] > 0  # the clip is exercised
         # The step moved the parameters by about lr: the comparison below is meaningful.
         moved = max(float((res["params"][n] - res["before"][n]).abs().max()) for n in res["params"])
         assert moved > 0.5 * LR
         _assert_params_close(res["params"], ref_params, atol=1e-5)
     base = one[0]
     for res in two:
+        if "agg" in res["variant"]:
+            continue
         for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
                     "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert res["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-5, abs=1e-7), (key, res["variant"])

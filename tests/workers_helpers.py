@@ -49,11 +49,20 @@ def hf_response_log_probs(model, batch: dict, temperature: float = 1.0, with_ent
     return logp, entropy
 
 
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """A loss matrix over the whole batch as each loss_agg_mode defines it."""
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / mask.sum()
+    if mode == "seq-mean-token-sum-norm":  # Dr. GRPO: token sums / response length, mean over rows
+        return (loss_mat * mask).sum() / mask.shape[1] / mask.shape[0]
+    raise ValueError(mode)
+
+
 def reference_actor_loss(model, batch: dict, clip_low: float, clip_high: float, clip_c: float,
-                         entropy_coeff: float, kl_coef: float, temperature: float = 1.0):
-    """Token-mean PPO loss of the whole batch (dual clip, entropy bonus, low_var_kl loss)."""
+                         entropy_coeff: float, kl_coef: float, temperature: float = 1.0,
+                         loss_agg_mode: str = "token-mean"):
+    """PPO loss of the whole batch (dual clip, entropy bonus, low_var_kl loss), aggregated by mode."""
     mask = batch["response_mask"]
-    n = mask.sum()
     logp, entropy = hf_response_log_probs(model, batch, temperature, with_entropy=True)
     adv, old = batch["advantages"], batch["old_log_probs"]
     log_ratio = (logp - old).clamp(-20.0, 20.0)
@@ -63,9 +72,9 @@ def reference_actor_loss(model, batch: dict, clip_low: float, clip_high: float, 
     clipped = torch.maximum(loss1, loss2)
     dual = torch.minimum(-adv * clip_c, clipped)
     pg = torch.where(adv < 0, dual, clipped)
-    pg_loss = (pg * mask).sum() / n
-    ent = (entropy * mask).sum() / n
+    pg_loss = aggregate(pg, mask, loss_agg_mode)
+    ent = aggregate(entropy, mask, loss_agg_mode)
     kl = batch["ref_log_prob"] - logp
     kld = (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
-    kl_loss = (kld * mask).sum() / n
+    kl_loss = aggregate(kld, mask, loss_agg_mode)
     return pg_loss - entropy_coeff * ent + kl_coef * kl_loss, pg_loss
