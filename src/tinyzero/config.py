@@ -364,6 +364,14 @@ def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
     return out, value
 
 
+def _normalize_bool(arg: str) -> str:
+    """Accept true/false in any case (veRL style) for boolean flags, which tyro spells True/False."""
+    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if value.lower() in ("true", "false"):
+        value = value.capitalize()
+    return f"{flag}{eq}{value}" if eq else value if not flag else arg
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """`[MODE] [--preset NAME] [--config FILE] [--section.field VALUE ...]` -> Config.
 
@@ -383,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         base = load_yaml(config_path, base)
     if mode is not None:
         base = merge_dict(base, {"trainer": {"mode": mode}})
+    args = [_normalize_bool(a) for a in args]
     from tinyzero.configs import PRESETS
 
     description = (
@@ -390,5 +399,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "usage: train.py [ppo|sft|rm|dpo] [--preset NAME] [--config run.yaml] [--section.field VALUE ...]\n"
         f"presets: {', '.join(sorted(PRESETS))}"
     )
-    cfg = tyro.cli(Config, default=base, args=args, description=description, use_underscores=True)
+    cfg = tyro.cli(Config, default=base, args=args, description=description, use_underscores=True,
+                   config=(tyro.conf.FlagConversionOff,))
     return cfg
