@@ -11,6 +11,7 @@ collective plus one tiny exchange, and tensors are never pickled.
 from __future__ import annotations
 
 import math
+import pickle
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,14 +60,39 @@ def make_envelope(output, error: str | None, contribute: bool) -> Envelope:
     return Envelope(kind="obj", value=output)
 
 
+_SLOT_BYTES = 8192  # envelopes up to this size travel in a single fixed-size all_gather
+
+
 def exchange(env: Envelope, group, label: str) -> list[Envelope]:
-    """all_gather_object of the envelopes of every rank of `group` (in group-rank order)."""
+    """Every rank's envelope, in group-rank order.
+
+    One all_gather of fixed-size slots covers the usual small envelope (torch's
+    all_gather_object needs two collectives); a rank whose envelope is larger says so in its
+    slot's length field and the long ones follow in a second all_gather.
+    """
     n = dist.get_world_size(group)
     if n == 1:
         return [env]
-    out: list = [None] * n
+    payload = pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)
+    slot = torch.zeros(_SLOT_BYTES + 8, dtype=torch.uint8)
+    slot[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    if len(payload) <= _SLOT_BYTES:
+        slot[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    slots = torch.empty((n, _SLOT_BYTES + 8), dtype=torch.uint8)
     with guard(label):
-        dist.all_gather_object(out, env, group=group)
+        dist.all_gather(list(slots.unbind(0)), slot, group=group)
+    sizes = slots[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
+    longest = max(sizes)
+    if longest > _SLOT_BYTES:
+        big = torch.zeros(longest, dtype=torch.uint8)
+        big[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        bigs = torch.empty((n, longest), dtype=torch.uint8)
+        with guard(label):
+            dist.all_gather(list(bigs.unbind(0)), big, group=group)
+    out = []
+    for i, size in enumerate(sizes):
+        raw = bigs[i, :size] if size > _SLOT_BYTES else slots[i, 8:8 + size]
+        out.append(pickle.loads(raw.numpy().tobytes()))
     return out
 
 
@@ -82,16 +108,19 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _gather_tensor(local: torch.Tensor | None, rows: list[int], trail: tuple, dtype: torch.dtype,
-                   device: torch.device, order: list[int], group) -> torch.Tensor:
-    """Rows of every rank's tensor, concatenated in `order` (pool ranks); non-contributors send padding."""
+def _start_gather(local: torch.Tensor | None, rows: list[int], trail: tuple, dtype: torch.dtype,
+                  device: torch.device, order: list[int], group):
+    """Start gathering every rank's rows of one tensor (non-contributors send padding).
+
+    Returns (work or None, finish) where finish() gives the rows concatenated in `order`; the
+    usual case (equal chunks, rank order) lands straight in the result, no copy.
+    """
     n = len(rows)
     width = max(rows)
-    if width == 0:
-        return torch.empty((0, *trail), dtype=dtype, device=device)
-    direct = all(r == width for r in rows) and order == list(range(n))
-    if math.prod(trail) == 0:
-        return torch.empty((sum(rows[i] for i in order), *trail), dtype=dtype, device=device)
+    total = sum(rows[i] for i in order)
+    if width == 0 or math.prod(trail) == 0:
+        empty = torch.empty((total, *trail), dtype=dtype, device=device)
+        return None, lambda: empty
     out = torch.empty((n * width, *trail), dtype=dtype, device=device)
     if local is not None and local.shape[0] == width:
         send = local.contiguous()
@@ -100,11 +129,11 @@ def _gather_tensor(local: torch.Tensor | None, rows: list[int], trail: tuple, dt
         if local is not None and local.shape[0]:
             send[: local.shape[0]] = local
     views = list(_as_bytes(out).view(n, -1).unbind(0))
-    dist.all_gather(views, _as_bytes(send), group=group)
-    if direct:
-        return out
+    work = dist.all_gather(views, _as_bytes(send), group=group, async_op=True)
+    if all(r == width for r in rows) and order == list(range(n)):
+        return work, lambda: out
     blocks = out.view(n, width, *trail)
-    return torch.cat([blocks[i, : rows[i]] for i in order])
+    return work, lambda: torch.cat([blocks[i, : rows[i]] for i in order])
 
 
 def gather_protos(envs: list[Envelope], local, order: list[int], group, label: str):
@@ -124,7 +153,7 @@ def gather_protos(envs: list[Envelope], local, order: list[int], group, label: s
             raise ValueError(f"{label}: pool ranks {order[0]} and {i} returned DataProtos with different tensor keys "
                              f"{keys} vs {[s.key for s in envs[i].specs]}")
     contributing = set(order)
-    tensors = {}
+    pending = {}
     for j, key in enumerate(keys):
         specs = {i: envs[i].specs[j] for i in order}
         ref = specs[order[0]]
@@ -136,8 +165,14 @@ def gather_protos(envs: list[Envelope], local, order: list[int], group, label: s
         rows = [specs[i].shape[0] if i in contributing else 0 for i in range(len(envs))]
         device = get_device() if ref.device_type != "cpu" else torch.device("cpu")
         mine = local.batch[key] if local is not None and dist.get_rank(group) in contributing else None
-        with guard(label):
-            tensors[key] = _gather_tensor(mine, rows, tuple(ref.shape[1:]), ref.dtype, device, order, group)
+        with guard(label):  # all keys in flight at once: one wait instead of one per key
+            pending[key] = _start_gather(mine, rows, tuple(ref.shape[1:]), ref.dtype, device, order, group)
+    tensors = {}
+    for key, (work, finish) in pending.items():
+        if work is not None:
+            with guard(label):
+                work.wait()
+        tensors[key] = finish()
     total = sum(envs[i].value[2] for i in order)
     non_tensor = {}
     for k in first.value[0]:
