@@ -121,14 +121,15 @@ def _collect(loader: StatefulDataLoader, num_batches: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("stop_after", [1, 4, 5, 7])
-def test_loader_resume_equals_uninterrupted(tokenizer, parquet_path, stop_after):
+@pytest.mark.parametrize("stop_after,prefetch", [(1, True), (4, True), (5, True), (7, True), (5, False), (7, False)])
+def test_loader_resume_equals_uninterrupted(tokenizer, parquet_path, stop_after, prefetch):
     ds = RLHFDataset(parquet_path, tokenizer, DataConfig(max_prompt_length=200, apply_chat_template=False))
-    reference = _collect(StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=7), 13)
-    first = StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=7)
+    reference = _collect(StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=7, prefetch=not prefetch), 13)
+    first = StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=7, prefetch=prefetch)
     head = _collect(first, stop_after)
     state = first.state_dict()
-    resumed = StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=999)  # seed comes from the state
+    assert state["epoch"] * 5 + state["batches_taken"] == stop_after  # 5 batches per epoch
+    resumed = StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=999, prefetch=prefetch)  # seed from state
     resumed.load_state_dict(state)
     tail = _collect(resumed, 13 - stop_after)
     assert head + tail == reference
