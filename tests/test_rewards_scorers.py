@@ -102,6 +102,8 @@ def test_countdown_matches_tinyzero_rules_on_random_responses():
     ("<answer>(3 + 5) / (8 - 8) </answer>", 0.1),
     ("<answer>8 / 0 + 3 + 5</answer>", 0.1),
     ("The answer is 64", 0.0),
+    ("<answer>(\u0663 + 5) * 8</answer>", 0.1),  # a unicode digit counts as 3 but never evaluates
+    ("<answer>(3 + 5) * 8 = 64</answer>", 0.1),  # "64" is an extra number
     ("<answer>(3+5)*8</answer> <answer>3*5*8</answer>", 0.1),  # the last tag counts
     ("<answer>3*5*8</answer> <answer>(3+5)*8</answer>", 1.0),
 ])

@@ -24,7 +24,8 @@ class RewardConfig:
 
     timeout_s: float = 10.0
     """Per-sample time limit; a scorer that runs longer (or raises) gives 0 and is counted in
-    reward/num_timeouts (reward/num_errors). 0 disables the limit."""
+    reward/num_timeouts (reward/num_errors). 0 disables the limit. Enforced with SIGALRM, so only
+    when scoring runs in a main thread (the trainer's, or a pool worker's)."""
 
     skip_special_tokens: bool = True
     """Drop special tokens (eos, pad, chat markers) when decoding responses for scoring."""
