@@ -84,6 +84,8 @@ def _two_rank_modes():
     assert isinstance(out, DataProto) and len(out) == 6
     assert torch.equal(out.batch["y"], torch.cat([x[:3] * 1, x[3:] * 2]))
     assert out.batch["who"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert torch.equal(out.batch["flag"], x > 1) and torch.equal(out.batch["half"], x.to(torch.bfloat16))
+    assert torch.equal(out.batch["scalar"], x[:, 0].double())  # 1-D, float64
     assert out.non_tensor_batch["id"].tolist() == list(range(6))
     assert out.meta_info == {"from_rank": 0}  # concat keeps the first chunk's meta_info
     s = wg.pair(data, b=data)
@@ -236,6 +238,9 @@ def _divergence():
     rank = dist.get_rank()
     wg = WorkerGroup(resource_pool=ResourcePool(), cls_with_init=ClassWithInitArgs(ModeWorker))
     assert wg.add(x=1) == [1, 2]  # identical calls pass the check
+    sub = WorkerGroup(resource_pool=ResourcePool(ranks=[1]), cls_with_init=ClassWithInitArgs(ModeWorker))
+    lazy = sub.add(x=1)  # a result still in flight hashes alike on every rank
+    assert wg.a2a(lazy, y=None) == [(0, [1], None), (1, [1], None)]
     caught = {}
     for kind in ("args", "method", "missing"):
         try:

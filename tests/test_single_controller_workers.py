@@ -51,7 +51,8 @@ class ModeWorker(Worker):
     def scale(self, data: DataProto) -> DataProto:
         x = data.batch["x"]
         return DataProto.from_dict(
-            {"y": x * (self.rank + 1), "who": torch.full((len(data),), self.rank)},
+            {"y": x * (self.rank + 1), "who": torch.full((len(data),), self.rank),
+             "flag": x > 1, "half": x.to(torch.bfloat16), "scalar": x[:, 0].double()},
             non_tensors={"id": data.non_tensor_batch["id"]}, meta_info={"from_rank": self.rank})
 
     @register(Dispatch.DP_COMPUTE_PROTO)

@@ -1,7 +1,7 @@
 """Lazy results: what `wg.method(...)` returns when its pool is not the whole world.
 
-The pool's ranks compute and gather at call time; the ranks outside skip at once and get a
-`LazyResult`. The result crosses to them (a broadcast from the pool's first rank over the
+The pool's ranks compute and gather at call time; the ranks outside skip at once. Every rank
+gets a `LazyResult` (in the pool it already holds the value). The result crosses to the others (a broadcast from the pool's first rank over the
 pool's result group) only when it is first used: reading an attribute, indexing, `len`,
 `isinstance`, passing it to another WorkerGroup call, or `materialize(x)`. So the driver
 
@@ -42,16 +42,17 @@ class LazyResult:
 
     def __init__(self, seq: int, role: str, value, group, label: str, owner, timeout_s: float, src: int):
         object.__setattr__(self, "_lz_seq", seq)
-        object.__setattr__(self, "_lz_role", role)  # "src" (sends), "recv" (receives)
+        object.__setattr__(self, "_lz_role", role)  # "src" (sends), "recv" (receives), "local" (has it)
         object.__setattr__(self, "_lz_value", value)
-        object.__setattr__(self, "_lz_ready", False)
+        object.__setattr__(self, "_lz_ready", role == "local")
         object.__setattr__(self, "_lz_group", group)
         object.__setattr__(self, "_lz_label", label)
         object.__setattr__(self, "_lz_owner", owner)
         object.__setattr__(self, "_lz_timeout", timeout_s)
         object.__setattr__(self, "_lz_error", None)
         object.__setattr__(self, "_lz_src", src)  # global rank that sends
-        _pending.append(self)
+        if role != "local":
+            _pending.append(self)
 
     # ------------------------------------------------------------------ delivery
     def _lz_deliver(self) -> None:

@@ -30,7 +30,11 @@ def spmd_check_enabled() -> bool:
 def _feed(h, obj, depth: int = 0) -> None:
     """Feed a deterministic description of obj into hash h (content for data, names for code)."""
     from tinyzero.protocol import DataProto
+    from tinyzero.single_controller.future import LazyResult
 
+    if type(obj) is LazyResult:  # identify it by the call that made it; never deliver it here
+        h.update(f"L{obj._lz_seq}:{obj._lz_label}".encode())
+        return
     if depth > 20:
         h.update(b"<deep>")
         return

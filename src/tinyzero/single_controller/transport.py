@@ -105,7 +105,8 @@ def raise_if_failed(envs: list[Envelope], ranks: list[int], label: str) -> None:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    """A flat uint8 view: any dtype (bool, bfloat16, complex) moves as raw bytes."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _start_gather(local: torch.Tensor | None, rows: list[int], trail: tuple, dtype: torch.dtype,
@@ -123,7 +124,7 @@ def _start_gather(local: torch.Tensor | None, rows: list[int], trail: tuple, dty
         return None, lambda: empty
     out = torch.empty((n * width, *trail), dtype=dtype, device=device)
     if local is not None and local.shape[0] == width:
-        send = local.contiguous()
+        send = local.detach().contiguous()
     else:
         send = torch.zeros((width, *trail), dtype=dtype, device=device)
         if local is not None and local.shape[0]:
@@ -199,7 +200,7 @@ def broadcast_value(value, src_index: int, group, label: str, header: Envelope |
     tensors = {}
     for s in header.specs:
         if me == src_index:
-            t = value.batch[s.key].contiguous()
+            t = value.batch[s.key].detach().contiguous()
         else:
             device = get_device() if s.device_type != "cpu" else torch.device("cpu")
             t = torch.empty(s.shape, dtype=s.dtype, device=device)

@@ -160,7 +160,8 @@ class WorkerGroup:
         if src:
             control_store().set(f"done/{seq}", "ok")
             return LazyResult(seq, "src", result, pool.result_group, label, self, timeout_s, pool.ranks[0])
-        return result
+        # The same type on every rank, so results passed on to other calls hash alike.
+        return LazyResult(seq, "local", result, pool.result_group, label, self, timeout_s, pool.ranks[0])
 
     def _run_in_pool(self, attr, spec: MethodSpec, args, kwargs, role, label):
         pool, rank, n = self.resource_pool, self._rank, self.world_size
