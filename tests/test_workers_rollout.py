@@ -38,6 +38,28 @@ def _prompts():
                                meta_info={"do_sample": False})
 
 
+def _text_batch(model_dir: str):
+    """Prompt/response rows from real text (valid UTF-8, so decode -> encode round-trips)."""
+    from transformers import AutoTokenizer
+
+    from tinyzero.protocol import DataProto
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pairs = [("What is 2+3?", "It is 5.<|im_end|>"), ("Say hi", "Hello there"),
+             ("Count: 1 2", " 3 4<|im_end|>"), ("x", "y z w")]
+    p = max(len(tok(a)["input_ids"]) for a, _ in pairs)
+    r = max(len(tok(b)["input_ids"]) for _, b in pairs)
+    ids = torch.full((4, p + r), tok.pad_token_id)
+    mask = torch.zeros(4, p + r, dtype=torch.long)
+    for i, (a, b) in enumerate(pairs):
+        pa, rb = tok(a)["input_ids"], tok(b)["input_ids"]
+        ids[i, p - len(pa):p], mask[i, p - len(pa):p] = torch.tensor(pa), 1
+        ids[i, p:p + len(rb)], mask[i, p:p + len(rb)] = torch.tensor(rb), 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                                "responses": ids[:, p:], "response_mask": mask[:, p:]})
+
+
 def rollout_rank_fn(model_dir: str, export_dir: str):
     from tinyzero.distributed import init_distributed, set_seed
     from tinyzero.models.config import ModelConfig
@@ -79,9 +101,16 @@ def rollout_rank_fn(model_dir: str, export_dir: str):
     rm = RewardModelWorker(RewardModelConfig(enable=True, model=ModelConfig(path=model_dir), micro_batch_size_per_gpu=1))
     rm.init_model()
     rm_scores = rm.compute_rm_score(gen_after).batch["rm_scores"]
+    # The same model reading decoded + re-encoded text (the path for a reward model with its own tokenizer).
+    rm_cfg = RewardModelConfig(enable=True, model=ModelConfig(path=model_dir), input_tokenizer=model_dir)
+    rm2 = RewardModelWorker(rm_cfg)
+    rm2.init_model()
+    text_batch = _text_batch(model_dir).chunk(2)[rm.rank]
+    rm_scores_text = rm.compute_rm_score(text_batch).batch["rm_scores"]
+    rm_scores_retok = rm2.compute_rm_score(text_batch).batch["rm_scores"]
     out = {"syncs": syncs, "gen_before": gen_before.batch, "gen_again": gen_again.batch,
            "gen_after": gen_after.batch, "params_before": params_before, "params_after": params_after,
-           "rm_scores": rm_scores}
+           "rm_scores": rm_scores, "rm_scores_text": rm_scores_text, "rm_scores_retok": rm_scores_retok}
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in out.items()}
     return _portable(out) if int(os.environ["RANK"]) == 0 else None
 
@@ -159,3 +188,10 @@ def test_reward_model_scores_last_valid_token(run, tiny_model_dir):
         n = int(gen["response_mask"][i].sum())
         assert scores[i, n - 1].item() == pytest.approx(expected, abs=1e-5)
         assert float(scores[i].abs().sum() - scores[i, n - 1].abs()) == 0.0
+
+
+def test_reward_model_retokenized_input(run):
+    res, _ = run
+    # Byte-level tokenizer: decode -> encode reproduces the ids, so the scores are the same.
+    torch.testing.assert_close(res["rm_scores_retok"], res["rm_scores_text"], rtol=0, atol=1e-5)
+    assert res["rm_scores_text"].abs().sum() > 0

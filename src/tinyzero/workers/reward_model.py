@@ -70,7 +70,10 @@ class RewardModelWorker(Worker):
                 chat = list(raw[i]) + [{"role": "assistant", "content": response}]
                 texts.append(dst.apply_chat_template(chat, tokenize=False))
             else:
-                texts.append(src.decode(prompt_ids, skip_special_tokens=True) + response)
+                # A finished response keeps its end marker, in the reward model's own spelling.
+                ended = bool(resp_ids) and resp_ids[-1] == src.eos_token_id
+                texts.append(src.decode(prompt_ids, skip_special_tokens=True) + response
+                             + (dst.eos_token or "" if ended else ""))
         enc = dst(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         new_ids, new_attn = enc["input_ids"], enc["attention_mask"]
         max_len = self.config.max_length
