@@ -42,7 +42,46 @@ def _single_rank():
     assert out.non_tensor_batch["id"].tolist() == [0, 1, 2, 3]
     assert wg.only_zero(5) == (0, 5)
     assert wg.custom(4) == 0
+
+    # user errors name the fix
+    from tests.test_single_controller_workers import TPWorker
+    from tinyzero.single_controller import RemoteWorkerError, ResourcePoolManager
+
+    with pytest.raises(ValueError, match="outside the world of 1 ranks"):
+        ResourcePool(ranks=[1])
+    with pytest.raises(ValueError, match="duplicates"):
+        ResourcePool(ranks=[0, 0])
+    with pytest.raises(ValueError, match="undefined pools"):
+        ResourcePoolManager({"a": [0]}, {"critic": "b"})
+    with pytest.raises(RemoteWorkerError, match="list of length dp_size=1"):
+        wg.dpc(3)
+    with pytest.raises(RemoteWorkerError, match="DP_COMPUTE_PROTO needs DataProto arguments"):
+        wg.scale([1, 2])
+    with pytest.raises(ValueError, match="not a colocated class"):
+        wg.spawn(prefix_set={"actor"})
+    tp = WorkerGroup(resource_pool=ResourcePool(), cls_with_init=ClassWithInitArgs(TPWorker, tp=1))
+    assert torch.equal(tp.tp_forward(data).batch["y"], data.batch["x"])  # rank 0 alone: + 0
+    tp.worker._dispatch_collect_info.clear()
+    tp._layouts.clear()
+    with pytest.raises(ValueError, match="did not register mesh 'actor'"):
+        tp.tp_forward(data)
+
+    # a worker built directly (no WorkerGroup) lives on the whole world
+    w = ModeWorker(base=1)
+    assert (w.rank, w.world_size, w.add(2)) == (0, 1, 3)
     return True
+
+
+def test_register_rejects_bad_modes():
+    from tinyzero.single_controller import Execute, register
+
+    with pytest.raises(ValueError, match="dispatch_fn"):
+        register({"collect_fn": len})
+    with pytest.raises(ValueError, match="dispatch_mode must be"):
+        register("one_to_all")
+    with pytest.raises(ValueError, match="execute_mode"):
+        register(execute_mode="all")
+    assert register(execute_mode=Execute.RANK_ZERO)(lambda self: 1).__tinyzero_register__.execute_mode is Execute.RANK_ZERO
 
 
 def test_single_rank():

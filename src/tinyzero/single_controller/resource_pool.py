@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tinyzero.single_controller.failure import collective_timeout_s, start_watchdog
+from tinyzero.single_controller.spmd import check_same_call, next_call_seq, spmd_check_enabled
 
 __all__ = ["ResourcePool", "ResourcePoolManager", "ensure_distributed"]
 
@@ -78,6 +79,8 @@ class ResourcePool:
                              f"(launch with torchrun --nproc_per_node {max(ranks) + 1} or shrink the pool)")
         if ranks != sorted(ranks):
             raise ValueError(f"ResourcePool: list ranks in increasing order, got {ranks}")
+        if spmd_check_enabled():  # new_group is collective: every rank must build the same pools in order
+            check_same_call(next_call_seq(), "ResourcePool", (ranks, timeout_s), {})
         self.ranks: list[int] = ranks
         self.timeout_s = timeout_s
         self.name = name or f"pool[{ranks[0]}..{ranks[-1]}]"

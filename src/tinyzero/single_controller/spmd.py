@@ -10,6 +10,7 @@ It costs a store round trip and a hash of the arguments per call, so it is a deb
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
 from collections import Counter
@@ -20,7 +21,14 @@ import torch.distributed as dist
 
 from tinyzero.single_controller.failure import SPMDDivergenceError, control_store
 
-__all__ = ["spmd_check_enabled", "fingerprint", "check_same_call"]
+__all__ = ["spmd_check_enabled", "fingerprint", "check_same_call", "next_call_seq"]
+
+_call_counter = itertools.count(1)
+
+
+def next_call_seq() -> int:
+    """Number of the next controller call; equal on every rank while ranks stay in step."""
+    return next(_call_counter)
 
 
 def spmd_check_enabled() -> bool:

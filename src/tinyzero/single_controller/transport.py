@@ -197,7 +197,7 @@ def broadcast_value(value, src_index: int, group, label: str, header: Envelope |
         header = box[0]
     if header.kind != "proto":
         return value if me == src_index else header.value
-    tensors = {}
+    tensors, works = {}, []
     for s in header.specs:
         if me == src_index:
             t = value.batch[s.key].detach().contiguous()
@@ -206,8 +206,11 @@ def broadcast_value(value, src_index: int, group, label: str, header: Envelope |
             t = torch.empty(s.shape, dtype=s.dtype, device=device)
         if t.numel():
             with guard(label):
-                dist.broadcast(_as_bytes(t), src=src, group=group)
+                works.append(dist.broadcast(_as_bytes(t), src=src, group=group, async_op=True))
         tensors[s.key] = t
+    for work in works:
+        with guard(label):
+            work.wait()
     if me == src_index:
         return value
     non_tensor, meta, n = header.value

@@ -18,8 +18,6 @@ Every rank runs the same driver and makes the same calls. For `wg.method(*args)`
 
 from __future__ import annotations
 
-import itertools
-
 import torch.distributed as dist
 
 from tinyzero.single_controller import decorator as dec
@@ -27,7 +25,7 @@ from tinyzero.single_controller.decorator import DP_MODES, Dispatch, Execute, Me
 from tinyzero.single_controller.failure import collective_timeout_s, control_store, record_abort
 from tinyzero.single_controller.future import LazyResult, flush_pending, materialize, materialize_args
 from tinyzero.single_controller.resource_pool import ResourcePool, ensure_distributed
-from tinyzero.single_controller.spmd import check_same_call, spmd_check_enabled
+from tinyzero.single_controller.spmd import check_same_call, next_call_seq, spmd_check_enabled
 from tinyzero.single_controller.transport import (
     Envelope,
     broadcast_value,
@@ -41,7 +39,6 @@ from tinyzero.single_controller.worker import _constructing
 
 __all__ = ["ClassWithInitArgs", "WorkerGroup"]
 
-_call_counter = itertools.count(1)
 ROLE_ATTR = "__tinyzero_role__"
 _RESERVED = {"world_size", "resource_pool", "name", "spawn", "execute_all_sync", "execute_all",
              "execute_rank_zero", "execute_rank_zero_async", "is_local", "worker"}
@@ -69,7 +66,7 @@ class WorkerGroup:
         ensure_distributed()
         pool = resource_pool if resource_pool is not None else ResourcePool()
         self._setup(pool, cls_with_init.cls, name_prefix or cls_with_init.cls.__name__, None)
-        seq = next(_call_counter)
+        seq = next_call_seq()
         label = f"{self.name}.__init__"
         if spmd_check_enabled():
             check_same_call(seq, label, cls_with_init.args, cls_with_init.kwargs)
@@ -138,7 +135,7 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ the call
     def _call(self, attr: str, spec: MethodSpec, args: tuple, kwargs: dict, role=None):
-        seq = next(_call_counter)
+        seq = next_call_seq()
         label = f"{self.name}.{attr}"
         if spmd_check_enabled():
             check_same_call(seq, label, args, kwargs)
