@@ -2,12 +2,14 @@
 
 Two implementations behind one call, `decoder(input_ids, position_ids, key_valid, start)`:
 
-* `FusedDecoder` -- our own forward for the Llama family (Qwen2, Qwen3, Llama, Mistral) that
-  reads the weights of the HF modules it wraps: RMSNorm and the SwiGLU MLP are the HF
-  modules themselves, rotary cos/sin come from the HF rotary module (so every rope scaling
-  HF knows is honoured), and attention is ours: q/k/v projections, rope, a static
-  `KVCache` per layer and `scaled_dot_product_attention` (GQA) over the filled slots.
-  lm_head runs on the last position only.
+* `FusedDecoder` -- our own forward for the Llama family (Qwen2, Qwen3, Llama, Mistral) over
+  the weights of the HF modules it wraps. RMSNorm and the activation are the HF modules;
+  q/k/v and gate/up are fused into one matmul each, their HF parameters becoming views into
+  the fused buffers (so `update_weights` by HF name still lands in place); rope comes from a
+  cos/sin table built once per batch by the HF rotary module (every rope scaling HF knows),
+  applied to q and k heads in one go; a static `KVCache` per layer; prefill attention is
+  `scaled_dot_product_attention`, decode attention two batched matmuls (GQA by grouping
+  query heads per kv head). lm_head runs on the last position only.
 * `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
 Measured on CPU (bench/rollout.py, tiny model, batch 64, 128 new tokens) the fused decoder
@@ -28,14 +30,28 @@ from tinyzero.rollout.kv_cache import KVCache
 FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, D); cos, signed_sin: (B, T, D) with signed_sin = cat(-sin[:D/2], sin[D/2:]).
+
+    Equals HF's x*cos + rotate_half(x)*sin bit for bit: rotate_half(x) = cat(-x2, x1) and
+    roll(x) = cat(x2, x1), and negating a factor or the product is exact."""
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, D); cos/sin: (B, T, D)."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (sum of out, in) weight (and bias) for linears that share their input; each module's
+    parameters become views into it, so in-place weight updates land in the fused buffer."""
+    weight = torch.cat([m.weight.detach() for m in linears], dim=0)
+    has_bias = [m.bias is not None for m in linears]
+    bias = torch.cat([m.bias.detach() for m in linears], dim=0) if all(has_bias) else None
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
 
 
 def attention_mask(key_valid: torch.Tensor, start: int, num_new: int) -> torch.Tensor:
@@ -51,6 +67,20 @@ def attention_mask(key_valid: torch.Tensor, start: int, num_new: int) -> torch.T
     return mask.unsqueeze(1)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per sequence over the cache, GQA by grouping query heads per kv head.
+
+    q: (B, heads, 1, D); k, v: (B, kv_heads, S, D); bias: (B, 1, S) additive (0 / -inf)."""
+    B, H, _, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    q = q.reshape(B * KV, H // KV, D)
+    bias = bias[:, None].expand(B, KV, 1, S).reshape(B * KV, 1, S)
+    scores = torch.baddbmm(bias, q, k.reshape(B * KV, S, D).transpose(1, 2), alpha=scale)  # (B*KV, g, S)
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    return torch.bmm(probs, v.reshape(B * KV, S, D)).view(B, H, 1, D)
+
+
 def fused_supported(model: nn.Module) -> str | None:
     """None if the fused decoder can run this model, else the reason it cannot."""
     cfg = model.config
@@ -63,6 +93,9 @@ def fused_supported(model: nn.Module) -> str | None:
         return "sliding-window attention is not implemented by the fused decoder"
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return "sliding-window attention is not implemented by the fused decoder"
+    attn = model.model.layers[0].self_attn
+    if len({attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}) != 1:
+        return "q/k/v projections disagree on having a bias"
     return None
 
 
@@ -85,9 +118,34 @@ class FusedDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.caches: list[KVCache] = []
+        self.cos_table = self.sin_table = None  # (max_len, D): rope for every position, built in reset()
+        self.key_bias = None  # (B, P+R) additive decode mask, built in begin()
+        self.fused: list[dict] = []
+        self._fuse()
+
+    def _fuse(self) -> None:
+        """Fuse q/k/v and gate/up of every layer (again after a device move broke the sharing)."""
+        self.fused = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+            gate_up_w, _ = fuse_linears([m.gate_proj, m.up_proj])
+            self.fused.append({"qkv_w": qkv_w, "qkv_b": qkv_b, "gate_up_w": gate_up_w})
+
+    def _fusion_intact(self) -> bool:
+        for layer, f in zip(self.layers, self.fused):
+            a, m = layer.self_attn, layer.mlp
+            if a.q_proj.weight.data_ptr() != f["qkv_w"].data_ptr() or \
+                    m.gate_proj.weight.data_ptr() != f["gate_up_w"].data_ptr() or \
+                    a.v_proj.weight.data_ptr() != f["qkv_w"][-a.v_proj.weight.shape[0]:].data_ptr() or \
+                    m.up_proj.weight.data_ptr() != f["gate_up_w"][m.gate_proj.weight.shape[0]:].data_ptr():
+                return False
+        return True
 
     def reset(self, batch_size: int, max_len: int) -> None:
         """Allocate (or reuse) the per-layer caches for a new batch."""
+        if not self._fusion_intact():  # e.g. model.to(device) gave every parameter its own storage
+            self._fuse()
         p = self.embed.weight
         if self.caches and self.caches[0].k_cache.shape[0] == batch_size and self.caches[0].max_len >= max_len \
                 and self.caches[0].k_cache.dtype == p.dtype and self.caches[0].k_cache.device == p.device:
@@ -95,36 +153,64 @@ class FusedDecoder:
         self.caches = []  # free the old ones before allocating
         self.caches = [KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim, p.dtype, p.device)
                        for _ in self.layers]
+        # HF computes rope per position independently (inv_freq * pos in fp32), so a table is exact.
+        positions = torch.arange(max_len, device=p.device)[None]
+        cos, sin = self.rotary(torch.empty(0, dtype=p.dtype, device=p.device), positions)
+        half = self.head_dim // 2
+        self.cos_table = cos[0]
+        self.sin_table = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # signed, see apply_rope
 
     def release(self) -> None:
         self.caches = []
+        self.cos_table = self.sin_table = None
+        self.key_bias = None
+
+    def begin(self, key_valid: torch.Tensor) -> None:
+        """Per batch: the additive attention bias (0 for valid slots, -inf for padding), (B, P+R)."""
+        bias = torch.zeros(key_valid.shape, dtype=self.embed.weight.dtype, device=key_valid.device)
+        self.key_bias = bias.masked_fill_(~key_valid, float("-inf"))
 
     def _attention(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, mask, start: int):
         B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, -1, self.head_dim)
-        k = attn.k_proj(x).view(B, T, -1, self.head_dim)
-        v = attn.v_proj(x).view(B, T, -1, self.head_dim)
+        H, KV = self.num_heads, self.num_kv_heads
+        f = self.fused[layer_idx]
+        qkv = F.linear(x, f["qkv_w"], f["qkv_b"]).view(B, T, H + 2 * KV, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([attn.q_norm(qkv[:, :, :H]), attn.k_norm(qkv[:, :, H:H + KV])], dim=2)
+        else:
+            qk = qkv[:, :, :H + KV]
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, H + KV, T, D): q and k heads rotated at once
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, :, H + KV:].transpose(1, 2)  # (B, KV, T, D)
         k_all, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv_heads, S, D)
-        out = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, scale=getattr(attn, "scaling", None),
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # (B, heads, T, D)
+        scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
+        if T == 1:  # decode: mask is an additive (B, 1, S) bias; batched matmuls beat sdpa's overhead
+            out = decode_attention(q, k_all, v_all, mask, scale)  # (B, heads, 1, D)
+        else:
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.fused[layer_idx]["gate_up_w"]).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
                  start: int) -> torch.Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position."""
         x = self.embed(input_ids)  # (B, T, H)
-        cos, sin = self.rotary(x, position_ids)  # (B, T, D) each
-        mask = attention_mask(key_valid, start, input_ids.shape[1])
+        cos, sin = self.cos_table[position_ids], self.sin_table[position_ids]  # (B, T, D) each
+        if input_ids.shape[1] == 1:
+            if self.key_bias is None or self.key_bias.shape[0] != key_valid.shape[0] \
+                    or self.key_bias.shape[1] < key_valid.shape[1]:
+                self.begin(key_valid)
+            mask = self.key_bias[:, None, : key_valid.shape[1]]  # (B, 1, S)
+        else:
+            mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, mask, start)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x[:, -1])).float()
 
 

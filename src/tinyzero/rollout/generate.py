@@ -1,9 +1,9 @@
 """Batched generation as small pure functions (gpt-fast style): prefill, decode_one_token, generate.
 
-All sequences of a batch advance together over a static cache; a finished mask stops a
-sequence at its first stop token (that token is kept, later slots get the pad id and
-response_mask 0). The loop does tensor work only -- no Python per sequence -- and leaves
-early once every sequence is done (checked every `sync_every` steps to bound host syncs).
+All sequences of a batch advance together over a static cache. The loop only samples and
+stores tokens -- no Python per sequence -- and leaves early once every row holds a stop
+token (checked every `sync_every` steps to bound host syncs); `finish_responses` then cuts
+each row after its first stop token (kept; later slots get the pad id and response_mask 0).
 
 Shapes: B batch, P padded prompt length, R response length, V vocab.
 """
@@ -45,24 +45,39 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     device = prompt_ids.device
     key_valid = torch.ones(B, P + R, dtype=torch.bool, device=device)
     key_valid[:, :P] = prompt_mask.bool()
-    responses = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=device)
-    response_mask = torch.zeros(B, R, dtype=torch.long, device=device)
+    if hasattr(decoder, "begin"):
+        decoder.begin(key_valid)
+    tokens = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    pad = torch.full((B,), params.pad_token_id, dtype=torch.long, device=device)
     next_pos = prompt_pos[:, -1] + 1  # (B,)
 
     logits = prefill(decoder, prompt_ids, prompt_pos, key_valid)
+    steps = R
     for t in range(R):
-        token, logp = sample_from_logits(logits, params, generator)
-        alive = ~finished
-        responses[:, t] = torch.where(alive, token, pad)
-        response_mask[:, t] = alive.long()
-        log_probs[:, t] = torch.where(alive, logp, torch.zeros_like(logp))
-        if stop_ids.numel():
-            finished = finished | torch.isin(token, stop_ids)
-        if t == R - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):
+        tok, logp = sample_from_logits(logits, params, generator)
+        tokens[:, t] = tok
+        log_probs[:, t] = logp
+        # Rows past their stop token keep decoding (static batch); they are masked out below.
+        if t == R - 1 or (stop_ids.numel() and (t + 1) % sync_every == 0
+                          and bool(torch.isin(tokens[:, : t + 1], stop_ids).any(dim=1).all())):
+            steps = t + 1
             break
-        logits = decode_one_token(decoder, responses[:, t], next_pos + t, key_valid, P + t)
-    return responses, response_mask, log_probs
+        logits = decode_one_token(decoder, tok, next_pos + t, key_valid, P + t)
+    return finish_responses(tokens, log_probs, stop_ids, steps, params.pad_token_id)
+
+
+def finish_responses(tokens: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Tensor, steps: int,
+                     pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep each row up to and including its first stop token (within the first `steps` tokens);
+    pad / zero the rest. tokens, log_probs: (B, R)."""
+    R = tokens.shape[1]
+    in_range = torch.arange(R, device=tokens.device) < steps  # (R,)
+    if stop_ids.numel():
+        hits = torch.isin(tokens, stop_ids).long()  # (B, R)
+        stops_before = hits.cumsum(dim=1) - hits  # stop tokens strictly before t
+        mask = (stops_before == 0) & in_range
+    else:
+        mask = in_range.expand(tokens.shape)
+    responses = torch.where(mask, tokens, torch.full_like(tokens, pad_token_id))
+    return responses, mask.long(), torch.where(mask, log_probs, torch.zeros_like(log_probs))

@@ -116,7 +116,7 @@ class NativeRollout:
         self.num_calls += 1
         ids, mask, pos = (t.to(self.device) for t in repeat_prompts(prompts, params.n))
         generator = make_generator(self.device, params.seed)
-        sync_every = 16 if self.device.type == "cuda" else 1
+        sync_every = 16 if self.device.type == "cuda" else 4
         rows = ids.shape[0]
         chunk = self.config.max_num_seqs
         parts = []
