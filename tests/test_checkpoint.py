@@ -235,7 +235,8 @@ def _build(path):
 
 
 def _save_run(path, root):
-    """Two steps, save at step 2, then a third step; return states at the save and after step 3."""
+    """Two steps, save at step 2, then a third step; return states at the save and after step 3, and what a
+    fresh model / optimizer / scheduler resumed from the checkpoint in the same processes does."""
     model, optim, sched, rank, world = _build(path)
     torch.manual_seed(100 + rank)
     for s in (1, 2):
@@ -249,7 +250,7 @@ def _save_run(path, root):
     at_save = _full_state(model, optim)
     draw = torch.rand(3).numpy()
     _train_step(model, optim, sched, 3, world, rank)
-    return at_save, _full_state(model, optim), draw, sched.get_last_lr()
+    return (at_save, _full_state(model, optim), draw, sched.get_last_lr()), _resume_run(path, root)
 
 
 def _resume_run(path, root):
@@ -278,11 +279,12 @@ def _assert_states_equal(a, b, atol=0.0):
 
 def test_dcp_resume_same_and_different_world_size(tiny_model_dir, tmp_path):
     root = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_run, 2, tiny_model_dir, root)
+    results = run_distributed(_save_run, 2, tiny_model_dir, root)
+    saved = [r[0] for r in results]
     at_save, after, draws, lr = saved[0]
 
     # Same world size: exact restore, and the next step reproduces the uninterrupted run bit for bit.
-    resumed = run_distributed(_resume_run, 2, tiny_model_dir, root)
+    resumed = [r[1] for r in results]
     for rank, (loaded, after2, draw2, lr2, extra) in enumerate(resumed):
         _assert_states_equal(loaded, at_save)
         _assert_states_equal(after2, after)
