@@ -1,15 +1,20 @@
 """Log-probs (and entropy) straight from hidden states and the lm_head weight.
 
 `linear_log_probs(hidden, weight, labels, temperature=1.0, return_entropy=False)` computes
-log softmax(hidden @ weight.T / T)[label] without ever holding the (tokens, vocab) logits:
-tokens are processed in chunks, so the extra memory is O(chunk x vocab) in the forward and in
-the backward, which recomputes each chunk's logits instead of saving them. The backward returns
-gradients for `hidden` and `weight` (accumulated over chunks in float32); autograd adds the
-weight gradient to whatever else uses that tensor, so an lm_head tied to the input embedding
+log softmax(hidden @ weight.T / T)[label] without ever holding the (tokens, vocab) logits.
+Tokens are processed in chunks, and the backward recomputes each chunk's logits instead of
+saving them, so the extra memory is O(chunk x vocab) in both passes. The backward returns
+gradients for `hidden` and `weight` (the weight gradient accumulated over chunks in float32);
+autograd adds it to whatever else uses that tensor, so an lm_head tied to the input embedding
 works unchanged.
 
-On CUDA the per-chunk reductions run the Triton kernels of logprobs_triton on the chunk's
-logits in the matmul dtype (bf16 stays bf16); elsewhere the torch row path upcasts one chunk.
+* CUDA (Triton): per token chunk, the (chunk, V) logits are one cuBLAS matmul in the weight
+  dtype (bf16 stays bf16) and the logprobs_triton kernels reduce each row in one pass.
+* torch (CPU and the reference): each token chunk is further tiled over the vocabulary, with
+  an online log-sum-exp / entropy across vocabulary tiles (the same recurrence as the Triton
+  kernel). The weight is then streamed from memory once per token chunk, not once per
+  (small) chunk, and a tile is (chunk, vocab_block) instead of (chunk, V).
+The label logit is taken as the dot product hidden . weight[label] on the torch path.
 """
 
 from __future__ import annotations
@@ -19,12 +24,92 @@ import torch
 from ._backend import use_triton
 from .logprobs import rows_backward, rows_forward
 
-_CHUNK_ELEMS = 1 << 24  # logits elements per token chunk (64 MiB in float32)
+_TRITON_CHUNK_ELEMS = 1 << 24  # logits per token chunk on the Triton path (32 MiB in bf16)
+_TORCH_CHUNK_TOKENS = 2048  # tokens per chunk on the torch path
+_TORCH_TILE_ELEMS = 1 << 23  # float32 logits per (tokens, vocab) tile on the torch path (32 MiB)
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Tokens per chunk: about 16M logits, at least 16 tokens."""
-    return max(16, _CHUNK_ELEMS // max(vocab, 1))
+def default_chunk_size(vocab: int, triton_path: bool = True) -> int:
+    """Tokens per chunk: about 16M logits on the Triton path, 2048 on the torch path."""
+    if triton_path:
+        return max(16, _TRITON_CHUNK_ELEMS // max(vocab, 1))
+    return _TORCH_CHUNK_TOKENS
+
+
+def _vocab_block(tokens: int, vocab: int) -> int:
+    return max(256, min(vocab, _TORCH_TILE_ELEMS // max(tokens, 1)))
+
+
+def _tile_logits(h: torch.Tensor, w: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    x = (h @ w.T).float()  # (tokens, block) float32
+    if inv_temp != 1.0:
+        x.mul_(inv_temp)
+    return x
+
+
+def _label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    return torch.linalg.vecdot(h.float(), weight[labels].float()) * inv_temp  # (tokens,)
+
+
+def _torch_chunk_forward(h, weight, labels, inv_temp, with_entropy):
+    """(logp, entropy or None, lse) for one token chunk, online over vocabulary tiles."""
+    vocab = weight.shape[0]
+    block = _vocab_block(h.shape[0], vocab)
+    m = s = w = None
+    for v0 in range(0, vocab, block):
+        x = _tile_logits(h, weight[v0:v0 + block], inv_temp)  # (tokens, block)
+        tile_max = x.amax(dim=-1)
+        m_new = tile_max if m is None else torch.maximum(m, tile_max)
+        x.sub_(m_new.unsqueeze(-1))  # x - m_new, in place
+        p = torch.exp(x)
+        tile_s = p.sum(dim=-1)
+        if m is None:
+            s = tile_s
+            w = torch.linalg.vecdot(p, x) if with_entropy else None
+        else:
+            scale = torch.exp(m - m_new)
+            if with_entropy:
+                w = (w + (m - m_new) * s) * scale + torch.linalg.vecdot(p, x)
+            s = s * scale + tile_s
+        m = m_new
+        del x, p
+    log_s = torch.log(s)
+    lse = m + log_s
+    logp = _label_logits(h, weight, labels, inv_temp) - lse
+    return logp, (log_s - w / s if with_entropy else None), lse
+
+
+def _torch_chunk_backward(h, weight, labels, lse, ent, g_lp, g_ent, inv_temp, grad_w):
+    """Gradient w.r.t. one token chunk of hidden; adds the chunk's weight gradient into grad_w."""
+    vocab = weight.shape[0]
+    block = _vocab_block(h.shape[0], vocab)
+    grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    rows = torch.arange(h.shape[0], device=h.device)
+    for v0 in range(0, vocab, block):
+        w_tile = weight[v0:v0 + block]
+        x = _tile_logits(h, w_tile, inv_temp)
+        x.sub_(lse.unsqueeze(-1))  # log p, in place
+        g = torch.exp(x)  # p
+        if g_ent is not None:
+            # d entropy / dx = -p * (log p + entropy)
+            g_entropy = g * (x + ent.unsqueeze(-1))
+            g_entropy.mul_(g_ent.unsqueeze(-1))
+        if g_lp is not None:
+            g.mul_(-g_lp.unsqueeze(-1))
+            inside = (labels >= v0) & (labels < v0 + w_tile.shape[0])
+            g[rows[inside], labels[inside] - v0] += g_lp[inside]
+        else:
+            g.zero_()
+        if g_ent is not None:
+            g.sub_(g_entropy)
+            del g_entropy
+        if inv_temp != 1.0:
+            g.mul_(inv_temp)
+        del x
+        grad_h.addmm_(g, w_tile if w_tile.dtype == torch.float32 else w_tile.float())  # g is float32
+        if grad_w is not None:
+            grad_w[v0:v0 + block].addmm_(g.T, h if h.dtype == torch.float32 else h.float())
+    return grad_h
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -35,13 +120,17 @@ class _LinearLogProbs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
         for i in range(0, tokens, chunk):
-            logits = hidden[i:i + chunk] @ weight.T  # (chunk, V) in the matmul dtype
-            c_logp, c_ent, c_lse = rows_forward(logits, labels[i:i + chunk], inv_temp, with_entropy, triton_path)
-            logp[i:i + chunk] = c_logp
-            lse[i:i + chunk] = c_lse
-            if with_entropy:
-                ent[i:i + chunk] = c_ent
-            del logits
+            sl = slice(i, i + chunk)
+            if triton_path:
+                logits = hidden[sl] @ weight.T  # (chunk, V) in the matmul dtype
+                out = (logp[sl], ent[sl] if with_entropy else None, lse[sl])
+                rows_forward(logits, labels[sl], inv_temp, with_entropy, True, out=out)
+                del logits
+            else:
+                c_logp, c_ent, c_lse = _torch_chunk_forward(hidden[sl], weight, labels[sl], inv_temp, with_entropy)
+                logp[sl], lse[sl] = c_logp, c_lse
+                if with_entropy:
+                    ent[sl] = c_ent
         ctx.save_for_backward(hidden, weight, labels, lse, ent if with_entropy else lse)
         ctx.inv_temp, ctx.with_entropy, ctx.chunk, ctx.triton_path = inv_temp, with_entropy, chunk, triton_path
         return logp, ent
@@ -56,19 +145,23 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         chunk = ctx.chunk
         for i in range(0, hidden.shape[0], chunk):
-            h = hidden[i:i + chunk]  # (chunk, H)
-            logits = h @ weight.T  # (chunk, V), recomputed
             sl = slice(i, i + chunk)
-            # the gradient overwrites the recomputed logits chunk: no second (chunk, V) buffer
-            g = rows_backward(logits, labels[sl], lse[sl], ent[sl], None if g_lp is None else g_lp[sl],
-                              None if g_ent is None else g_ent[sl], ctx.inv_temp, ctx.triton_path, out=logits)
+            h = hidden[sl]  # (chunk, H)
+            c_g_lp = None if g_lp is None else g_lp[sl].float()
+            c_g_ent = None if g_ent is None else g_ent[sl].float()
+            if not ctx.triton_path:
+                c_grad_h = _torch_chunk_backward(h, weight, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent,
+                                                 ctx.inv_temp, grad_w)
+                if need_h:
+                    grad_h[sl] = c_grad_h
+                continue
+            logits = h @ weight.T  # (chunk, V), recomputed
+            # the gradient overwrites the recomputed logits: no second (chunk, V) buffer
+            g = rows_backward(logits, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent, ctx.inv_temp, True, out=logits)
             if need_h:
                 grad_h[sl] = g @ weight
             if need_w:
-                if g.dtype == torch.float32 and h.dtype == torch.float32:
-                    grad_w.addmm_(g.T, h)
-                else:
-                    grad_w.addmm_(g.T.float(), h.float())
+                grad_w.addmm_(g.T.float(), h.float())
             del logits, g
         if need_w:
             grad_w = grad_w.to(weight.dtype)
@@ -80,7 +173,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     """log softmax(hidden @ weight.T / T) at `labels`, float32, labels' shape; entropy if asked.
 
     hidden: (..., H); weight: (V, H) (lm_head or the tied embedding); labels: (...) ids in [0, V).
-    chunk_size: tokens per chunk (default about 16M logits per chunk).
+    chunk_size: tokens per chunk (default: about 16M logits on CUDA, 2048 tokens on the torch path).
     Returns `log_probs` or `(log_probs, entropy)`; differentiable w.r.t. hidden and weight.
     """
     if hidden.shape[:-1] != labels.shape:
@@ -95,7 +188,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     triton_path = use_triton(hidden, backend) and weight.dtype != torch.float64
-    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    chunk = chunk_size or default_chunk_size(weight.shape[0], triton_path)
     shape = labels.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _LinearLogProbs.apply(flat, weight, labels.reshape(-1).long(), 1.0 / float(temperature),

@@ -81,6 +81,10 @@ def _block_v(vocab: int) -> int:
     return max(16, min(4096, triton.next_power_of_2(vocab)))
 
 
+def _num_warps(block_v: int) -> int:
+    return 8 if block_v >= 4096 else 4
+
+
 def rows_forward(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool, out=None):
     """(logp, entropy or None, lse), float32 (rows,), for 2-D logits (rows, V).
 
@@ -98,8 +102,9 @@ def rows_forward(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, wi
         logp, ent, lse = out
         ent = ent if with_entropy else lse
     if rows:
+        block = _block_v(vocab)
         _fwd_kernel[(rows,)](logits, labels, logp, ent, lse, vocab, logits.stride(0), float(inv_temp),
-                             BLOCK_V=_block_v(vocab), WITH_ENTROPY=with_entropy)
+                             BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=_num_warps(block))
     return logp, (ent if with_entropy else None), lse
 
 
@@ -114,9 +119,10 @@ def rows_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     has_ent = g_ent is not None
     has_lp = g_lp is not None
     if rows:
+        block = _block_v(vocab)
         _bwd_kernel[(rows,)](
             logits, labels.contiguous(), lse, ent if has_ent else lse,
             g_lp.float().contiguous() if has_lp else lse, g_ent.float().contiguous() if has_ent else lse,
             grad, vocab, logits.stride(0), grad.stride(0), float(inv_temp),
-            BLOCK_V=_block_v(vocab), HAS_G_LP=has_lp, HAS_G_ENT=has_ent)
+            BLOCK_V=block, HAS_G_LP=has_lp, HAS_G_ENT=has_ent, num_warps=_num_warps(block))
     return grad

@@ -274,3 +274,26 @@ def test_right_padded_detection_picks_the_general_path_for_holes():
     assert is_right_padded(torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]]))
     assert not is_right_padded(torch.tensor([[1.0, 0, 1]]))
     assert not is_right_padded(torch.tensor([[0.5, 0.5, 0]]))
+
+
+def test_linear_log_probs_many_vocab_tiles(monkeypatch):
+    """Tiny vocabulary tiles: the online log-sum-exp / entropy and the label scatter cross tiles."""
+    from tinyzero.kernels import linear_logprobs
+
+    monkeypatch.setattr(linear_logprobs, "_vocab_block", lambda tokens, vocab: 7)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(6, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
+    weight.data[35:] += 3.0  # the row max arrives in the last (partial) tile
+    labels = torch.tensor([0, 6, 7, 34, 35, 39])
+    logp, ent = linear_log_probs(hidden, weight, labels, 0.8, return_entropy=True, chunk_size=4, backend="torch")
+    h64 = hidden.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    ref_lp, ref_ent = ref_linear(h64, w64, labels, 0.8)
+    assert_rel(logp, ref_lp, torch.float32, "logp")
+    assert_rel(ent, ref_ent, torch.float32, "entropy")
+    g_lp, g_ent = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    gh, gw = torch.autograd.grad((logp * g_lp + ent * g_ent).sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad((ref_lp * g_lp + ref_ent * g_ent).sum(), (h64, w64))
+    assert_rel(gh, rh, torch.float32, "grad hidden")
+    assert_rel(gw, rw, torch.float32, "grad weight")

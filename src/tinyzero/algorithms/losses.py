@@ -7,7 +7,9 @@ Numerics follow veRL's `core_algos.py`. Policy losses share one signature,
 
 where `config` is any object with the actor's clip fields (clip_ratio, clip_ratio_low,
 clip_ratio_high, clip_ratio_c, tis_imp_ratio_cap; missing ones take veRL's defaults). All
-returns are tensors (metrics stay on the device). A new loss is one decorated function:
+returns are tensors so metrics stay on the device until the worker logs them; this is the
+4-tuple veRL 0.5 returned (current veRL returns (loss, dict of floats), which forces a device
+sync per micro-batch). A new loss is one decorated function:
 
     @register_policy_loss("my_loss")
     def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",

@@ -5,6 +5,10 @@ slightly from the trainer's (FSDP, other kernels). `rollout_mismatch_metrics` re
 apart they are (veRL's training/rollout_probs_diff_* plus KL estimates between the two), and
 `tis_weights` gives the truncated importance weights min(pi_train / pi_rollout, cap) that the
 policy loss applies when `tis_imp_ratio_cap > 0` (see losses.apply_tis).
+
+TIS follows veRL 0.5 (`actor.tis_imp_ratio_cap`, token level, applied inside the policy loss).
+Current veRL moved this to `algorithm.rollout_correction` (token or sequence weights computed on
+the driver, optional rejection sampling); the token-level truncated weight is the same quantity.
 """
 
 from __future__ import annotations
