@@ -104,6 +104,10 @@ def test_keep_last_latest_and_corruption(tmp_path):
     fresh = _toy_model()
     load_state(os.path.join(mgr.resolve_resume(os.path.join(mgr.root, "global_step_2")), "actor"), fresh)
     assert all(torch.all(p == 2) for p in fresh.parameters())
+    with pytest.raises(ValueError, match="without optimizer state"):
+        load_state(os.path.join(mgr.root, "global_step_2", "actor"), fresh, torch.optim.AdamW(fresh.parameters()))
+    with pytest.raises(ValueError, match="no DCP checkpoint"):
+        load_state(str(tmp_path), fresh)
 
 
 def test_rng_state_round_trip_and_missing_rank(tmp_path):

@@ -317,6 +317,11 @@ def load_state(
 
     if not os.path.isfile(os.path.join(role_dir, ".metadata")):
         raise ValueError(f"{role_dir!r} holds no DCP checkpoint (.metadata missing)")
+    if optimizer is not None:
+        saved_keys = FileSystemReader(role_dir).read_metadata().state_dict_metadata
+        if not any(k.startswith("optim.") for k in saved_keys):
+            raise ValueError(f"{role_dir!r} was saved without optimizer state; load it with optimizer=None "
+                             "(the optimizer then starts fresh)")
     model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
     state = {"model": model_sd}
     if optimizer is not None:

@@ -41,7 +41,14 @@ def iter_export_tensors(model: nn.Module, dtype: torch.dtype | None = None):
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if isinstance(tensor, DTensor):
+            mesh_type = tensor.device_mesh.device_type
+            if tensor.device.type != mesh_type:  # offloaded shards: gather on the mesh's device
+                dev = torch.device(mesh_type, torch.cuda.current_device()) if mesh_type == "cuda" else mesh_type
+                tensor = tensor.to(dev)
+            full = tensor.full_tensor()
+        else:
+            full = tensor
         full = full.detach()
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
