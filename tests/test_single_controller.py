@@ -170,6 +170,8 @@ def _two_rank_modes():
     g = sub.scale(data)
     assert isinstance(g, DataProto)  # isinstance works through the lazy proxy
     assert torch.equal(g.batch["y"], x) and g.non_tensor_batch["id"].tolist() == list(range(6))
+    z = sub.zero_proto(data)  # Execute.RANK_ZERO DataProto result reaching the rank outside
+    assert torch.equal(z.batch["z"], x + 100) and z.non_tensor_batch["id"].tolist() == list(range(6))
     unused = sub.add(x=1)  # never used: delivered by the next call to `sub`
     del unused
     assert sub.add(x=1) == [103]
@@ -247,6 +249,10 @@ def _four_ranks():
     # meshes on a pool that is a subset of the world
     sums = b.mesh_sum()
     assert sums == [(5.0, 5.0, 2, 1), (5.0, 5.0, 2, 1)]
+    # tensor parallelism on that subset: one dp rank, rank 2 collects, ranks 0 and 1 receive
+    tpb = WorkerGroup(manager.get_resource_pool("critic"), ClassWithInitArgs(TPWorker, tp=2))
+    out = tpb.tp_forward(data)
+    assert torch.equal(out.batch["y"], x + 5) and out.batch["who"].tolist() == [2] * 8
 
     # colocated roles on one pool, with the tp role's mesh dispatch still honoured
     cls = create_colocated_worker_cls({"actor": ClassWithInitArgs(ModeWorker, base=100),
