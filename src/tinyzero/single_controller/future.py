@@ -1,8 +1,9 @@
 """Lazy results: what `wg.method(...)` returns when its pool is not the whole world.
 
 The pool's ranks compute and gather at call time; the ranks outside skip at once. Every rank
-gets a `LazyResult` (in the pool it already holds the value). The result crosses to the others (a broadcast from the pool's first rank over the
-pool's result group) only when it is first used: reading an attribute, indexing, `len`,
+gets a `LazyResult` (in the pool it already holds the value). The result crosses to the
+others (a broadcast from the pool's first rank over the pool's result group) only when it is
+first used: reading an attribute, indexing, `len`,
 `isinstance`, passing it to another WorkerGroup call, or `materialize(x)`. So the driver
 
     values = critic_wg.compute_values(batch)        # ranks 4-7 compute, 0-3 skip
@@ -34,6 +35,17 @@ def _done_key(seq: int) -> str:
     return f"done/{seq}"
 
 
+def _release(key: str, readers: int) -> None:
+    """The last of `readers` ranks to read a status key deletes it, so keys do not pile up."""
+    store = control_store()
+    try:
+        if store.add(f"{key}/reads", 1) == readers:
+            store.delete_key(key)
+            store.delete_key(f"{key}/reads")
+    except Exception:  # noqa: BLE001 - cleanup only
+        pass
+
+
 class LazyResult:
     """A transparent proxy for a result that reaches this rank on first use."""
 
@@ -60,12 +72,10 @@ class LazyResult:
         src_index = dist.get_group_rank(group, self._lz_src)
         if self._lz_role == "src":
             value = broadcast_value(self._lz_value, src_index, group, label)
-            try:
-                control_store().delete_key(_done_key(self._lz_seq))  # every receiver has read it
-            except Exception:  # noqa: BLE001 - cleanup only
-                pass
         else:
-            status = wait_for_key(_done_key(self._lz_seq), self._lz_timeout, label).decode(errors="replace")
+            key = _done_key(self._lz_seq)
+            status = wait_for_key(key, self._lz_timeout, label).decode(errors="replace")
+            _release(key, dist.get_world_size(group) - 1)
             if status != "ok":
                 raise RemoteWorkerError(f"rank {dist.get_rank()}: {label} failed on its pool:\n{status}",
                                         remote_traceback=status)
