@@ -1,7 +1,7 @@
 """Training throughput of `update_actor`: 1 vs 2 CPU ranks (scaling), and MFU on a GPU.
 
     python bench/train_scaling.py                       # CPU: 1 vs 2 gloo ranks, 1 thread each
-    python bench/train_scaling.py --hidden 256 --layers 4 --rows 16 --seq 256 --rounds 2
+    python bench/train_scaling.py --hidden 256 --layers 4 --rows 32 --seq 256 --rounds 2
     python bench/train_scaling.py --gpu                 # also MFU of a 0.5B-shaped model when CUDA exists
 
 CPU part: a random Qwen2 (hidden 256, 4 layers by default, so matmuls dominate over the
@@ -64,13 +64,13 @@ def make_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: 
     return DataProto.from_dict(tensors, meta_info={"temperature": 1.0}), int(attn.sum())
 
 
-def actor_config(model_dir: str, rows: int, micro: int, seq: int, grad_ckpt: bool):
-    from tinyzero.models.config import ModelConfig
+def actor_config(model_dir: str, rows: int, micro: int, seq: int, grad_ckpt: bool, reshard: bool):
+    from tinyzero.models.config import FSDPConfig, ModelConfig
     from tinyzero.rollout.config import RolloutConfig
     from tinyzero.workers.config import ActorConfig, ActorRolloutRefConfig, OptimConfig
 
     actor = ActorConfig(ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=micro, grad_clip=1.0,
-                        optim=OptimConfig(lr=1e-6))
+                        optim=OptimConfig(lr=1e-6), fsdp_config=FSDPConfig(reshard_after_forward=reshard))
     return ActorRolloutRefConfig(model=ModelConfig(path=model_dir, enable_gradient_checkpointing=grad_ckpt),
                                  actor=actor, rollout=RolloutConfig(n=1, prompt_length=seq // 4,
                                                                     response_length=seq - seq // 4))
@@ -84,27 +84,32 @@ def timed_updates(model_dir: str, args, device_kind: str) -> dict:
 
     world = dist.get_world_size()
     micro = max(1, args.rows // world // args.micro_batches)
-    cfg = actor_config(model_dir, args.rows, micro, args.seq, grad_ckpt=False)
+    cfg = actor_config(model_dir, args.rows, micro, args.seq, grad_ckpt=False, reshard=args.reshard_after_forward)
     worker = ActorRolloutRefWorker(cfg, "actor")
     worker.init_model()
     vocab = worker.actor.model.config.vocab_size
     batch, tokens = make_batch(args.rows, args.seq // 4, args.seq - args.seq // 4, vocab)
     local = batch.chunk(world)[worker.rank] if world > 1 else batch
     worker.update_actor(local)  # warm-up
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.steps):
         if device_kind == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         worker.update_actor(local)
         if device_kind == "cuda":
             torch.cuda.synchronize()
+        cpu_times.append(time.process_time() - c0)
         dist.barrier()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    # CPU seconds this rank spent per step: on a shared machine it shows the work each rank does,
+    # whatever share of the cores the scheduler gave it.
+    cpu = torch.tensor([statistics.median(cpu_times)], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
     return {"world_size": world, "step_s": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s,
-            "num_params": sum(p.numel() for p in worker.actor.model.parameters())}
+            "max_rank_cpu_s_per_step": float(cpu), "num_params": sum(p.numel() for p in worker.actor.model.parameters())}
 
 
 def _rank_entry(rank: int, world: int, port: int, model_dir: str, args, out_file: str) -> None:
@@ -145,14 +150,19 @@ def cpu_scaling(args) -> dict:
                      num_kv_heads=2, intermediate_size=4 * args.hidden)
     one, two = [], []
     for _ in range(args.rounds):  # A B A B: both see the same background load on a shared machine
-        one.append(cpu_run(1, model_dir, args)["tokens_per_s"])
-        two.append(cpu_run(2, model_dir, args)["tokens_per_s"])
-        print(json.dumps({"round_tokens_per_s_1_rank": one[-1], "round_tokens_per_s_2_ranks": two[-1]}),
-              file=sys.stderr)
-    t1, t2 = statistics.median(one), statistics.median(two)
+        one.append(cpu_run(1, model_dir, args))
+        two.append(cpu_run(2, model_dir, args))
+        print(json.dumps({"round_1_rank": one[-1], "round_2_ranks": two[-1]}), file=sys.stderr)
+    t1, t2 = (statistics.median(r["tokens_per_s"] for r in runs) for runs in (one, two))
+    c1, c2 = (statistics.median(r["max_rank_cpu_s_per_step"] for r in runs) for runs in (one, two))
     return {"cpu_model": f"qwen2 hidden={args.hidden} layers={args.layers}", "rows": args.rows, "seq": args.seq,
             "tokens_per_s_1_rank": round(t1, 1), "tokens_per_s_2_ranks": round(t2, 1),
-            "scaling_2_ranks": round(t2 / t1, 3), "rounds": args.rounds}
+            "scaling_2_ranks": round(t2 / t1, 3),
+            # CPU time of the busiest rank: 1-rank / 2-rank is the scaling idle cores would give
+            # (it excludes time a rank spends descheduled on a loaded machine).
+            "cpu_s_per_step_1_rank": round(c1, 3), "cpu_s_per_step_2_ranks": round(c2, 3),
+            "work_scaling_2_ranks": round(c1 / c2, 3), "load_avg_1min": round(os.getloadavg()[0], 2),
+            "rounds": args.rounds}
 
 
 def model_flops_per_token(cfg, seq: int) -> float:
@@ -203,9 +213,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=16, help="global batch rows (one mini-batch)")
+    ap.add_argument("--rows", type=int, default=32, help="global batch rows (one mini-batch)")
     ap.add_argument("--seq", type=int, default=256, help="prompt + response length")
-    ap.add_argument("--micro_batches", type=int, default=2, help="micro-batches per rank")
+    ap.add_argument("--micro_batches", type=int, default=1, help="micro-batches per rank")
+    ap.add_argument("--reshard_after_forward", action="store_true",
+                    help="ZeRO-3 style (gather layers again in backward); default keeps them (ZeRO-2)")
     ap.add_argument("--steps", type=int, default=3, help="timed update_actor calls per run")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds of 1-rank and 2-rank runs")
     ap.add_argument("--skip_cpu", action="store_true")

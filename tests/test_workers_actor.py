@@ -161,7 +161,11 @@ def resume_rank_fn(model_dir: str, ckpt_dir: str):
 
     init_distributed()
     torch.set_num_threads(1)
+    from tinyzero.models.config import FSDPConfig
+
     cfg, _ = _configs(model_dir, dynamic=True, max_tokens=20)
+    # Offloading between phases changes where tensors live, never the numbers.
+    cfg.actor.fsdp_config = FSDPConfig(param_offload=True, optimizer_offload=True)
     worker = ActorRolloutRefWorker(cfg, "actor")
     worker.init_model()
     worker.load_checkpoint(ckpt_dir)
