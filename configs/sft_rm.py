@@ -60,6 +60,7 @@ def dpo() -> Config:
     cfg = rm()
     cfg.trainer.mode = "dpo"
     cfg.actor_rollout_ref.actor.optim.lr = 5e-7
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 64  # pairs per optimizer step (= one batch)
     cfg.dpo.beta = 0.1
     cfg.trainer.experiment_name = "dpo"
     cfg.trainer.default_local_dir = "runs/dpo"

@@ -33,6 +33,9 @@ CONSOLE_KEYS = (
     ("val/loss", "val_loss"),
     ("train/acc", "acc"),
     ("val/acc", "val_acc"),
+    ("train/rewards/accuracies", "acc"),
+    ("val/rewards/accuracies", "val_acc"),
+    ("train/rewards/margins", "margin"),
     ("timing_s/step", "s/step"),
 )
 

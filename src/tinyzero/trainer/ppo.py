@@ -107,8 +107,10 @@ class PPOTrainer:
                 self.update_actor(batch, timing, metrics)
             metrics.update(self.step_metrics(batch, timing))
             metrics.update(self.maybe_validate())
-            self.maybe_save()
+            # Log before saving: a kill in between redoes the step from the previous checkpoint
+            # (the resumed run drops the step's line), never leaves a checkpoint without its line.
             self.tracker.log(metrics, step=self.global_step)
+            self.maybe_save()
             last = metrics
         if self.config.trainer.export_hf:
             self.roles.actor_rollout.export_hf(os.path.join(self.config.trainer.default_local_dir, "hf_model"))

@@ -48,7 +48,7 @@ class SupervisedTrainer:
             self.global_step += 1
             timing = {}
             with timer("step", timing):
-                metrics = pop_metrics(self.wg.train_step(next(batches)))
+                metrics = self.train_step(next(batches))
             self._check_finite(metrics)
             metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
             metrics["training/epoch"] = float(self.loader.epoch)
@@ -56,14 +56,22 @@ class SupervisedTrainer:
             if self.val_dataset is not None and (self.global_step == self.total_steps
                                                  or (freq > 0 and self.global_step % freq == 0)):
                 metrics.update(self.validate())
+            self.tracker.log(metrics, step=self.global_step)  # before the save (see PPOTrainer.fit)
             if self.global_step == self.total_steps or (trainer.save_freq > 0
                                                         and self.global_step % trainer.save_freq == 0):
                 self.save_checkpoint()
-            self.tracker.log(metrics, step=self.global_step)
             last = metrics
         if trainer.export_hf:
             self.wg.export_hf(os.path.join(trainer.default_local_dir, "hf_model"))
         return last
+
+    def train_step(self, batch) -> dict[str, float]:
+        """One optimizer step on a global batch; returns its metrics (the same on every rank)."""
+        return pop_metrics(self.wg.train_step(batch))
+
+    def eval_step(self, batch) -> dict[str, float]:
+        """Validation metrics of one global batch."""
+        return pop_metrics(self.wg.eval_step(batch))
 
     def _iterate(self):
         while True:
@@ -87,7 +95,7 @@ class SupervisedTrainer:
         for start in range(0, len(self.val_dataset) - len(self.val_dataset) % ws, size):
             idx = range(start, min(start + size, len(self.val_dataset) - len(self.val_dataset) % ws))
             batch = collate_to_dataproto([self.val_dataset[i] for i in idx])
-            for k, v in pop_metrics(self.wg.eval_step(batch)).items():
+            for k, v in self.eval_step(batch).items():
                 sums[k] = sums.get(k, 0.0) + v * len(idx)
             weight += len(idx)
         return {k: v / max(weight, 1) for k, v in sums.items()}

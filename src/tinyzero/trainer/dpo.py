@@ -1,0 +1,204 @@
+"""DPO: direct preference optimisation on a pairwise parquet, as a short driver over the PPO roles.
+
+    torchrun --nproc_per_node 8 train.py dpo --preset dpo --data.train_files data/prefs/train.parquet \
+        --actor_rollout_ref.model.path /models/Qwen2.5-0.5B-Instruct --dpo.beta 0.1
+
+This is the framework's example of a new algorithm built from existing parts: no new worker.
+The policy is an `ActorRolloutRefWorker` with role "actor", the frozen reference one with role
+"ref", colocated on every rank. A step is
+
+    batch = pairs_to_rows(pairs)                       # row 2i: chosen, row 2i+1: rejected
+    batch = batch.union(ref_wg.compute_ref_log_prob(batch))
+    batch = batch.union(actor_wg.compute_log_prob(batch))        # for the reward metrics
+    actor_wg.update_actor(batch)                        # policy loss "dpo" from the registry
+
+The loss is registered in the policy-loss registry of `tinyzero.algorithms`, so the actor's
+update (micro-batching, exact loss scaling over ranks, grad clipping, non-finite guard) is
+reused as is. In the policy-loss interface the log-probs a loss measures the policy against
+arrive as `old_log_prob`; for DPO that anchor is the reference, so the driver puts the
+reference log-probs there, and `advantages` carries the preference sign (+1 chosen,
+-1 rejected) on every token. With h = (log pi/ref)(chosen) - (log pi/ref)(rejected), summed
+over response tokens, the loss is
+    sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)     (eps: label smoothing)
+    ipo:     (h - 1 / (2 beta))^2
+averaged over pairs. Metrics follow TRL: {train,val}/rewards/chosen|rejected|margins|accuracies,
+with rewards = beta * (log pi - log ref) summed over the response.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tinyzero.algorithms.losses import POLICY_LOSSES
+from tinyzero.config import Config, check_world, dump_yaml, to_dict
+from tinyzero.data import PairwiseDataset, StatefulDataLoader
+from tinyzero.distributed import get_rank, get_world_size
+from tinyzero.models.loading import check_model_path, load_tokenizer
+from tinyzero.protocol import DataProto
+from tinyzero.single_controller import (
+    ClassWithInitArgs,
+    ResourcePool,
+    WorkerGroup,
+    create_colocated_worker_cls,
+)
+from tinyzero.trainer.builder import total_training_steps
+from tinyzero.trainer.loggers import Tracking
+from tinyzero.trainer.ppo import pop_metrics
+from tinyzero.trainer.sft import SupervisedTrainer
+from tinyzero.workers.actor_worker import ActorRolloutRefWorker
+
+LOSS_NAME = "dpo"
+
+
+def dpo_pair_loss(h: torch.Tensor, beta: float, label_smoothing: float, loss_type: str) -> torch.Tensor:
+    """(pairs,) DPO losses from h = chosen minus rejected policy/reference log-ratio (pairs,)."""
+    if loss_type == "ipo":
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    return -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def make_dpo_policy_loss(beta: float, label_smoothing: float, loss_type: str):
+    """A policy loss (registry signature) for interleaved (chosen, rejected) rows of one micro-batch."""
+
+    def dpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
+                        config=None, rollout_log_probs=None):
+        mask = response_mask.float()  # (rows, R)
+        if log_prob.shape[0] % 2:
+            raise ValueError("DPO: a micro-batch holds an odd number of rows; chosen and rejected rows must pair up")
+        log_ratio = ((log_prob - old_log_prob) * mask).sum(-1)  # (rows,)
+        sign = advantages[:, 0]  # (rows,): +1 chosen, -1 rejected
+        h = (sign * log_ratio).view(-1, 2).sum(-1)  # (pairs,)
+        loss = dpo_pair_loss(h, beta, label_smoothing, loss_type).mean()
+        zero = torch.zeros((), device=loss.device)
+        return loss, zero, zero, zero
+
+    return dpo_policy_loss
+
+
+def pairs_to_rows(pairs: DataProto) -> DataProto:
+    """Pairwise batch (chosen_* / rejected_* right-padded sequences) -> interleaved policy rows.
+
+    Each sequence becomes a row whose "prompt" is its first token and whose "response" is the
+    rest, so the actor's log-prob of response token t is that of sequence token t + 1; the
+    response mask keeps only the answer tokens (the dataset's loss mask).
+    """
+    b = pairs.batch
+    rows = {}
+    for key in ("input_ids", "attention_mask", "position_ids", "loss_mask"):
+        rows[key] = torch.stack([b[f"chosen_{key}"], b[f"rejected_{key}"]], dim=1).flatten(0, 1)  # (2B, L)
+    ids = rows["input_ids"]
+    mask = rows.pop("loss_mask")[:, 1:].float() * rows["attention_mask"][:, 1:].float()  # (2B, L-1)
+    if bool((mask.sum(-1) == 0).any()):
+        raise ValueError("DPO: a chosen or rejected response has no tokens after truncation; raise data.max_length")
+    sign = torch.tensor([1.0, -1.0]).repeat(len(pairs))  # (2B,)
+    rows.update(responses=ids[:, 1:], response_mask=mask, advantages=sign[:, None].expand_as(mask).contiguous())
+    return DataProto.from_dict(tensors=rows, meta_info={"temperature": 1.0})
+
+
+def reward_metrics(batch: DataProto, beta: float, prefix: str) -> dict[str, float]:
+    """TRL's DPO metrics from policy (old_log_probs) and reference (ref_log_prob) log-probs."""
+    b = batch.batch
+    mask = b["response_mask"].float()
+    rewards = (beta * ((b["old_log_probs"] - b["ref_log_prob"]) * mask).sum(-1)).view(-1, 2).double()  # (pairs, 2)
+    chosen, rejected = rewards[:, 0], rewards[:, 1]
+    return {f"{prefix}/rewards/chosen": float(chosen.mean()), f"{prefix}/rewards/rejected": float(rejected.mean()),
+            f"{prefix}/rewards/margins": float((chosen - rejected).mean()),
+            f"{prefix}/rewards/accuracies": float((chosen > rejected).double().mean())}
+
+
+class DPOTrainer(SupervisedTrainer):
+    """SupervisedTrainer's loop (data, validation, checkpoints, export) with a DPO step over two roles."""
+
+    def __init__(self, config: Config, actor_wg, ref_wg, loader, val_dataset, tracker: Tracking, total_steps: int):
+        super().__init__(config, actor_wg, loader, val_dataset, tracker, total_steps)
+        self.ref_wg = ref_wg
+
+    def _score(self, pairs: DataProto, prefix: str) -> tuple[DataProto, dict[str, float]]:
+        batch = pairs_to_rows(pairs)
+        batch = batch.union(self.ref_wg.compute_ref_log_prob(batch))
+        old = self.wg.compute_log_prob(batch)
+        old.meta_info.pop("metrics", None)
+        batch = batch.union(old)
+        metrics = reward_metrics(batch, self.config.dpo.beta, prefix)
+        return batch, metrics
+
+    def train_step(self, pairs: DataProto) -> dict[str, float]:
+        batch, metrics = self._score(pairs, "train")
+        batch.batch["old_log_probs"] = batch.batch["ref_log_prob"]  # the anchor of the DPO log-ratio
+        out = pop_metrics(self.wg.update_actor(batch))
+        metrics.update({"train/loss": out["actor/pg_loss"], "train/grad_norm": out["actor/grad_norm"],
+                        "train/lr": out["actor/lr"], "train/num_skipped_steps": out["actor/num_skipped_steps"]})
+        return metrics
+
+    def eval_step(self, pairs: DataProto) -> dict[str, float]:
+        batch, metrics = self._score(pairs, "val")
+        b = batch.batch
+        h = ((b["old_log_probs"] - b["ref_log_prob"]) * b["response_mask"]).sum(-1) * b["advantages"][:, 0]
+        dpo = self.config.dpo
+        losses = dpo_pair_loss(h.view(-1, 2).sum(-1).double(), dpo.beta, dpo.label_smoothing, dpo.loss_type)
+        metrics["val/loss"] = float(losses.mean())
+        return metrics
+
+
+def check_dpo_config(cfg: Config, world_size: int) -> None:
+    """Pairs must stay whole inside every rank's chunk, mini-batch and micro-batch."""
+    actor = cfg.actor_rollout_ref.actor
+    pairs = actor.ppo_mini_batch_size
+    if cfg.data.train_batch_size % pairs:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                         f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} (pairs per optimizer step)")
+    if pairs % world_size:
+        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} pairs must split over the "
+                         f"{world_size} ranks; make it a multiple of {world_size}")
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if micro is not None and micro % 2:
+        raise ValueError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be even for DPO "
+                         "(a chosen and a rejected row per pair)")
+    if actor.use_dynamic_bsz or actor.shuffle:
+        raise ValueError("DPO keeps chosen/rejected rows adjacent: set actor_rollout_ref.actor.use_dynamic_bsz "
+                         "and actor_rollout_ref.actor.shuffle to false")
+
+
+def build_dpo_trainer(cfg: Config) -> DPOTrainer:
+    """Datasets, the colocated actor + reference groups, loggers; every rank."""
+    world_size = get_world_size()
+    check_world(cfg, world_size)
+    check_dpo_config(cfg, world_size)
+    arr = cfg.actor_rollout_ref
+    check_model_path(arr.model.path)
+    if not cfg.data.train_files:
+        raise ValueError("data.train_files is empty; pass --data.train_files PATH.parquet")
+    # The actor sees rows, two per pair: "rollout.n = 2" makes its mini-batch ppo_mini_batch_size pairs.
+    arr.rollout.n = 2
+    arr.actor.policy_loss.loss_mode = LOSS_NAME
+    arr.actor.loss_agg_mode = "seq-mean-token-mean"  # every row counts once: micro shares are pair shares
+    arr.actor.use_kl_loss = False
+    arr.actor.entropy_coeff = 0.0
+    arr.actor.ppo_epochs = 1
+    POLICY_LOSSES[LOSS_NAME] = make_dpo_policy_loss(cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.loss_type)
+
+    tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
+    train_ds = PairwiseDataset(cfg.data.train_files, tokenizer, cfg.data)
+    val_ds = PairwiseDataset(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    loader = StatefulDataLoader(train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                seed=cfg.data.seed, drop_last=cfg.data.drop_last)
+    total = total_training_steps(cfg, len(loader))
+    arr.actor.optim.total_training_steps = total
+    run_dir = cfg.trainer.default_local_dir
+    if get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    classes = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, "actor"),
+               "ref": ClassWithInitArgs(ActorRolloutRefWorker, arr, "ref")}
+    pool = ResourcePool(ranks=list(range(world_size)))
+    wgs = WorkerGroup(resource_pool=pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
+        prefix_set=set(classes))
+    wgs["ref"].init_model()
+    wgs["actor"].init_model()
+    tracker = Tracking(run_dir, cfg.trainer.logger, total_steps=total, project=cfg.trainer.project_name,
+                       experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
+                       progress_bar=cfg.trainer.progress_bar, enabled=get_rank() == 0)
+    return DPOTrainer(cfg, wgs["actor"], wgs["ref"], loader, val_ds, tracker, total)
