@@ -262,13 +262,13 @@ def _resume_run(path, root):
     mgr = CheckpointManager(root)
     ckpt = mgr.resolve_resume("auto")
     extra = load_state(os.path.join(ckpt, "actor"), model, optim, sched)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         load_rng_state(ckpt)
     loaded = _full_state(model, optim)
     draw = torch.rand(3).numpy()
     _train_step(model, optim, sched, 3, world, rank)
-    return loaded, _full_state(model, optim), draw, sched.get_last_lr(), extra
+    return loaded, _full_state(model, optim), draw, sched.get_last_lr(), extra, [str(w.message) for w in record]
 
 
 def _assert_states_equal(a, b, atol=0.0):
@@ -289,14 +289,16 @@ def test_dcp_resume_same_and_different_world_size(tiny_model_dir, tmp_path):
 
     # Same world size: exact restore, and the next step reproduces the uninterrupted run bit for bit.
     resumed = [r[1] for r in results]
-    for rank, (loaded, after2, draw2, lr2, extra) in enumerate(resumed):
+    for rank, (loaded, after2, draw2, lr2, extra, rng_warnings) in enumerate(resumed):
+        assert rng_warnings == []
         _assert_states_equal(loaded, at_save)
         _assert_states_equal(after2, after)
         np.testing.assert_array_equal(draw2, saved[rank][2])
         assert lr2 == lr and extra == {"kl_coef": 0.01}
 
     # One rank: DCP reshards model and optimizer; rank 0's RNG stream is restored.
-    (loaded, after1, draw1, lr1, _), = run_distributed(_resume_run, 1, tiny_model_dir, root)
+    (loaded, after1, draw1, lr1, _, rng_warnings), = run_distributed(_resume_run, 1, tiny_model_dir, root)
+    assert any("saved by 2 ranks and is resumed on 1" in w for w in rng_warnings), rng_warnings
     _assert_states_equal(loaded, at_save)
     np.testing.assert_array_equal(draw1, draws)
     # The next step sees the whole batch on one rank: same math up to fp32 summation order.

@@ -133,3 +133,21 @@ def test_hf_export_loads_in_vllm(tmp_path):
         with torch.no_grad():
             ref = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, min_new_tokens=12)
         assert got == ref[0, ids.shape[1]:].tolist()
+
+
+def test_value_model_export_round_trip(tiny_model_dir, tmp_path):
+    """A critic exported from a plain (single-process) model reloads with its trained head."""
+    from tinyzero.models.value import checkpoint_has_head, load_value_model
+    from tinyzero.trainer.hf_export import export_hf
+
+    critic = load_value_model(tiny_model_dir)
+    with torch.no_grad():
+        critic.score.weight.mul_(3.0)
+    out = export_hf(critic, str(tmp_path / "critic_hf"))
+    assert checkpoint_has_head(out)
+    again = load_value_model(out)
+    a, b = dict(again.named_parameters()), dict(critic.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = _ids()
+    with torch.no_grad():  # same weights; 1e-6 covers kernel-level summation order differences
+        torch.testing.assert_close(again(input_ids=ids).logits, critic(input_ids=ids).logits, atol=1e-6, rtol=1e-6)

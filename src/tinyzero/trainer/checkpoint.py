@@ -395,9 +395,17 @@ def load_rng_state(step_dir: str, seed: int = 0) -> bool:
     (seed, step, rank) with a warning (resuming on more ranks than were saved)."""
     rank = _rank()
     path = os.path.join(step_dir, "rng", f"rank_{rank}.json")
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if os.path.isfile(path):
         with open(path) as f:
-            set_rng_state(json.load(f))
+            state = json.load(f)
+        saved_world = int(state.get("world_size", world))
+        if saved_world != world and rank == 0:
+            warnings.warn(f"{step_dir} was saved by {saved_world} ranks and is resumed on {world}: ranks "
+                          f"present in both get their RNG streams back, "
+                          f"{'new ranks get derived seeds' if world > saved_world else 'the others are dropped'}",
+                          stacklevel=2)
+        set_rng_state(state)
         return True
     step = step_of(step_dir)
     derived = (seed * 1_000_003 + step * 7919 + rank) % (2**31)
