@@ -308,3 +308,24 @@ def test_dcp_resume_same_and_different_world_size(tiny_model_dir, tmp_path):
 
 if __name__ == "__main__":
     _child_main(sys.argv[1])
+
+
+def test_resave_same_step_and_interrupted_resave(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ckpt"))
+    model = _toy_model()
+    _save_step(mgr, 1, model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(5.0)
+    _save_step(mgr, 1, model)  # re-saving a step replaces it atomically
+    assert sorted(os.listdir(mgr.root)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+    fresh = _toy_model()
+    load_state(os.path.join(mgr.latest(), "actor"), fresh)
+    assert all(torch.all(p == 5.0) for p in fresh.parameters())
+    # A crash after the old copy was moved aside but before the new one landed: the old one comes back.
+    os.replace(os.path.join(mgr.root, "global_step_1"), os.path.join(mgr.root, "global_step_1.old-x1"))
+    assert mgr.latest() is None
+    with pytest.warns(UserWarning, match="restoring .*global_step_1.old-x1"):
+        tmp = mgr.begin_save(2)
+    mgr.abort(tmp)
+    assert mgr.latest().endswith("global_step_1")

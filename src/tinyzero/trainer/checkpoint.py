@@ -46,6 +46,7 @@ TRAINER_STATE = "trainer_state.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _TMP_RE = re.compile(r"^global_step_(\d+)\.tmp-")
+_OLD_RE = re.compile(r"^global_step_(\d+)\.old-")
 
 
 def _rank() -> int:
@@ -250,12 +251,21 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ housekeeping
     def _remove_stale_tmp(self) -> None:
-        for name in os.listdir(self.root):
+        """Drop folders of interrupted saves. A step that was being re-saved (moved aside to `.old-`) whose
+        replacement never landed is moved back, so a crash in that window loses nothing."""
+        for name in sorted(os.listdir(self.root)):
+            full = os.path.join(self.root, name)
+            old = _OLD_RE.match(name)
             if name.startswith(LATEST_FILE + ".tmp-"):
-                os.remove(os.path.join(self.root, name))
-            elif _TMP_RE.match(name) or ".old-" in name:
-                warnings.warn(f"removing unfinished checkpoint {os.path.join(self.root, name)}", stacklevel=3)
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                os.remove(full)
+            elif old and not os.path.exists(os.path.join(self.root, f"global_step_{old.group(1)}")) \
+                    and verify_checkpoint(full, checksum=False) is None:
+                warnings.warn(f"restoring {full} as global_step_{old.group(1)} (its re-save was interrupted)",
+                              stacklevel=3)
+                os.replace(full, os.path.join(self.root, f"global_step_{old.group(1)}"))
+            elif _TMP_RE.match(name) or old:
+                warnings.warn(f"removing unfinished checkpoint {full}", stacklevel=3)
+                shutil.rmtree(full, ignore_errors=True)
 
     def _prune(self) -> None:
         if self.keep_last is None:
