@@ -117,7 +117,9 @@ def mesh_broadcast(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
 
 
 def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.device, dtype):
-    kwargs = dict(dtype=dtype, device=device, attn_implementation=model_config.attn_implementation,
+    # The CPU copy only supplies weights: give it a kernel that exists on CPU whatever the config asks for.
+    attn = "sdpa" if torch.device(device).type == "cpu" else model_config.attn_implementation
+    kwargs = dict(dtype=dtype, device=device, attn_implementation=attn,
                   trust_remote_code=model_config.trust_remote_code, override_config=model_config.override_config)
     if kind == "causal_lm":
         return load_model(path, "causal_lm", **kwargs)
