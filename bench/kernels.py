@@ -2,6 +2,7 @@
 
     python bench/kernels.py                 # CPU figures (+ GPU figures when CUDA is present)
     python bench/kernels.py --quick         # small shapes, a smoke run of the script itself
+    python bench/kernels.py --gpu-dry-run   # the GPU section on CPU, Triton interpreter, tiny shapes
 
 CPU (torch paths), measured side by side A B A B with medians:
   logprob_peak_mem_ratio  peak extra memory of linear_log_probs / naive
@@ -196,12 +197,14 @@ def bench_cpu(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- GPU
-def bench_gpu(args) -> dict:
+def bench_gpu(args, dev: torch.device) -> dict:
+    """GPU figures on `dev` (CUDA). With --gpu-dry-run, dev is the CPU and the Triton kernels run in
+    the interpreter at tiny shapes: the numbers mean nothing, but every code path executes."""
     from tinyzero.kernels import log_probs_from_logits
 
-    dev = torch.device("cuda")
-    sync = torch.cuda.synchronize
-    out: dict = {"device": torch.cuda.get_device_name(dev)}
+    on_cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    out: dict = {"device": torch.cuda.get_device_name(dev) if on_cuda else "cpu (dry run, Triton interpreter)"}
     tokens, vocab, hidden = args.gpu_tokens, args.vocab, args.hidden
     g = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(tokens, vocab, device=dev, generator=g).to(torch.bfloat16)
@@ -233,7 +236,9 @@ def bench_gpu(args) -> dict:
     })
     torch.cuda.empty_cache()
 
-    r, v, m = _gae_inputs(1024, 4096, device=dev)
+    if on_cuda:
+        torch.cuda.empty_cache()
+    r, v, m = _gae_inputs(args.gpu_gae_batch, args.gpu_gae_len, device=dev)
     adv_t, _ = gae_advantage_return(r, v, m, 0.99, 0.95, backend="triton")
     adv_ref = gae_python_loop(r.double(), v.double(), m.double(), 0.99, 0.95)
     out["gae_rel_err"] = _rel(adv_t, adv_ref)
@@ -256,16 +261,19 @@ def bench_gpu(args) -> dict:
     for name, fn in (("naive", naive_fb), ("ours", ours_fb)):
         fn()  # warm-up (allocates .grad)
         sync()
+        if not on_cuda:
+            continue  # no allocator statistics on the dry run
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fn()
         sync()
         peaks[name] = torch.cuda.max_memory_allocated() - base
     ft = _interleaved({"naive": naive_fb, "ours": ours_fb}, max(3, args.rounds // 2), sync)
+    has_mem = on_cuda
     out.update({
-        "linear_peak_mem_ratio": peaks["ours"] / max(peaks["naive"], 1),
-        "linear_naive_peak_mib": peaks["naive"] / 2**20,
-        "linear_ours_peak_mib": peaks["ours"] / 2**20,
+        "linear_peak_mem_ratio": peaks["ours"] / max(peaks["naive"], 1) if has_mem else None,
+        "linear_naive_peak_mib": peaks["naive"] / 2**20 if has_mem else None,
+        "linear_ours_peak_mib": peaks["ours"] / 2**20 if has_mem else None,
         "linear_fwd_bwd_time_ratio": ft["ours"] / ft["naive"],
     })
     return out
@@ -283,12 +291,22 @@ def main() -> None:
     p.add_argument("--gae-len", type=int, default=1024)
     p.add_argument("--gae-rounds", type=int, default=15)
     p.add_argument("--gpu-tokens", type=int, default=16384)
+    p.add_argument("--gpu-gae-batch", type=int, default=1024)
+    p.add_argument("--gpu-gae-len", type=int, default=4096)
+    p.add_argument("--gpu-dry-run", action="store_true",
+                   help="run the GPU section on the CPU under the Triton interpreter at tiny shapes (no CPU section)")
     p.add_argument("--skip-gpu", action="store_true")
     p.add_argument("--quick", action="store_true", help="small shapes: check that the script runs")
     p.add_argument("--memory-child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_child:
         _memory_child(args.memory_child, args.tokens, args.hidden, args.vocab)
+        return
+    if args.gpu_dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (tinyzero.kernels imports it lazily)
+        args.gpu_tokens, args.vocab, args.hidden, args.rounds = 24, 700, 16, 1
+        args.gpu_gae_batch, args.gpu_gae_len = 4, 300
+        print(json.dumps({"gpu": bench_gpu(args, torch.device("cpu"))}))
         return
     if args.quick:
         args.tokens, args.hidden, args.vocab, args.rounds, args.mem_rounds = 64, 32, 5000, 1, 1
@@ -298,7 +316,7 @@ def main() -> None:
     if args.skip_gpu or not torch.cuda.is_available():
         result["gpu"] = {"skipped": "--skip-gpu given" if args.skip_gpu else "no CUDA device on this machine"}
     else:
-        result["gpu"] = bench_gpu(args)
+        result["gpu"] = bench_gpu(args, torch.device("cuda"))
     print(json.dumps(result))
 
 
