@@ -29,7 +29,7 @@ CASES = {
 }
 
 
-def _run_cases(path: str):
+def _run_cases(path: str, corrupt_path: str):
     """Every case of CASES in one set of processes (spawning ranks is the slow part on CPU)."""
 
     from tinyzero.distributed import init_distributed
@@ -37,7 +37,21 @@ def _run_cases(path: str):
     init_distributed()
     out = {name: _sharded_forward_backward(path, *case) for name, case in CASES.items()}
     out["value"] = _value_and_offload(path)
+    out["corrupt"] = _load_corrupt(corrupt_path)
     return out
+
+
+def _load_corrupt(path: str) -> str:
+    """Loading a folder with an unreadable safetensors file fails on every rank (no hang)."""
+    from tinyzero.models.config import FSDPConfig, ModelConfig
+    from tinyzero.models.fsdp import load_sharded_model, make_fsdp_mesh
+
+    fsdp_cfg = FSDPConfig()
+    try:
+        load_sharded_model(ModelConfig(path=path), fsdp_cfg, make_fsdp_mesh(fsdp_cfg, "cpu"))
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
 
 
 def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, offload_policy: bool,
@@ -108,8 +122,19 @@ def _check_against_reference(results, ref):
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tiny_model_dir):
-    return run_distributed(_run_cases, 2, tiny_model_dir)
+def two_rank_results(tiny_model_dir, tmp_path_factory):
+    import shutil
+
+    corrupt = tmp_path_factory.mktemp("corrupt_model")
+    shutil.copytree(tiny_model_dir, corrupt, dirs_exist_ok=True)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    return run_distributed(_run_cases, 2, tiny_model_dir, str(corrupt))
+
+
+def test_unreadable_weights_fail_every_rank(two_rank_results):
+    rank0, rank1 = (r["corrupt"] for r in two_rank_results)
+    assert rank0 != "loaded" and "could not load" not in rank0  # the source rank reports the real error
+    assert rank1.startswith("ValueError") and "could not load" in rank1
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,12 @@ def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.
     return (load_value_model if kind == "value" else load_reward_model)(path, **kwargs)
 
 
+def _comm_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 @torch.no_grad()
 def broadcast_into_sharded(model: nn.Module, full_state: dict[str, torch.Tensor] | None, mesh: DeviceMesh) -> None:
     """Fill a materialized FSDP2 model from a full state dict that only the mesh source rank holds.
@@ -136,8 +142,7 @@ def broadcast_into_sharded(model: nn.Module, full_state: dict[str, torch.Tensor]
     Buffers (e.g. rotary inv_freq, not in checkpoints) are broadcast whole.
     """
     is_src = _is_mesh_source(mesh)
-    comm_device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
-        else torch.device(mesh.device_type)
+    comm_device = _comm_device(mesh)
     items = list(model.named_parameters()) + list(model.named_buffers())
     for name, tensor in items:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -174,18 +179,24 @@ def load_sharded_model(
         raise ValueError(f"kind={kind!r}: use one of {_KINDS}")
     path = check_model_path(model_config.path)
     dtype = model_config.dtype if dtype is None else dtype
-    full_state = None
+    full_state, error = None, None
     if _is_mesh_source(mesh):
-        full = _build(kind, path, model_config, "cpu", dtype)
-        full_state = dict(full.named_parameters()) | dict(full.named_buffers())
+        try:
+            full = _build(kind, path, model_config, "cpu", dtype)
+            full_state = dict(full.named_parameters()) | dict(full.named_buffers())
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            error = e
+    # Tell every rank whether the source could read the weights, so a bad file fails all ranks at once
+    # instead of leaving them waiting in the first broadcast.
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=_comm_device(mesh))
+    mesh_broadcast(failed, mesh)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise ValueError(f"the first rank of the model's mesh could not load {path!r}; see its error")
     model = _build(kind, path, model_config, "meta", dtype)
     parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing)
-    if mesh.device_type == "cuda":
-        target = torch.device("cuda", torch.cuda.current_device())
-    else:
-        target = torch.device(mesh.device_type)
-    if fsdp_config.offload_policy:
-        target = torch.device("cpu")
+    target = torch.device("cpu") if fsdp_config.offload_policy else _comm_device(mesh)
     model.to_empty(device=target)
     broadcast_into_sharded(model, full_state, mesh)
     del full_state
