@@ -10,6 +10,10 @@ everywhere else; each also takes `backend="auto" | "torch" | "triton"`.
     gae_advantage_return(rewards, values, mask, gamma, lam)   un-whitened GAE + returns
     discounted_returns(rewards, mask, gamma)   REINFORCE++ returns
     group_ids(index) / group_mean_std(scores, ids, num_groups)   per-uid statistics
+
+Triton is imported only when a Triton kernel first runs. To run the kernels on CPU tensors
+(tests), start the process with TRITON_INTERPRET=1: Triton reads it when functions are
+decorated, its own standard library included, so it must be set before `import triton`.
 """
 
 from ._backend import HAS_TRITON, use_triton
