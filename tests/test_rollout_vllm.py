@@ -100,6 +100,13 @@ def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1):
         results["sampled_lp_max_abs_diff"] = float(diff.max())
         results["sampled_tokens"] = int(m.sum())
         results["n_rows"] = len(out)
+        # An explicit seed reproduces the samples; another seed gives other samples.
+        runs = []
+        for seed in (5, 5, 6):
+            batch.meta_info = dict(batch.meta_info, seed=seed)
+            runs.append(vllm_engine.generate_sequences(batch).batch["responses"])
+        results["seed_repeats"] = torch.equal(runs[0], runs[1])
+        results["seed_changes"] = not torch.equal(runs[0], runs[2])
     vllm_engine.shutdown()
     return results
 
@@ -118,6 +125,7 @@ def test_vllm_matches_native_and_syncs_weights(vllm_tiny_dir):
     print({k: v for k, v in res.items() if not k.startswith("responses")})
     _check(res)
     assert res["n_rows"] == 8
+    assert res["seed_repeats"] and res["seed_changes"], res
     # Rollout log-probs vs the trainer's (fp32 HF forward, float64 log_softmax): same weights and math.
     assert res["sampled_lp_mean_abs_diff"] < 1e-4, res
     assert res["sampled_lp_max_abs_diff"] < 1e-3, res

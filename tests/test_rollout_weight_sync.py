@@ -12,7 +12,7 @@ from tinyzero.rollout.weight_sync import clean_param_name, iter_full_params
 def _model(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(seed)

@@ -45,11 +45,11 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     has_bias = [m.bias is not None for m in linears]
     bias = torch.cat([m.bias.detach() for m in linears], dim=0) if all(has_bias) else None
     start = 0
-    for m in linears:
+    for m in linears:  # .data keeps the Parameter objects (and anyone's references to them) valid
         n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        m.weight.data = weight[start:start + n]
         if bias is not None:
-            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+            m.bias.data = bias[start:start + n]
         start += n
     return weight, bias
 

@@ -33,6 +33,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+def cuda_memory_gb(device: torch.device) -> float:
+    """GiB in use on a CUDA device by every allocator (torch's and vLLM's pools alike); 0.0 elsewhere."""
+    if device.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
+
+
 def build_inference_model(hf_config, device: torch.device, dtype: torch.dtype, model_path: str | None = None,
                           trust_remote_code: bool = False) -> torch.nn.Module:
     """The engine's own model: weights read from `model_path`, or left as initialized (to be pushed)."""
@@ -63,12 +71,14 @@ class NativeRollout:
         self.decoder = build_decoder(self.model, config.native_impl)
         self.dp_rank = dp_rank
         self.num_calls = 0
+        self.memory: dict[str, float] = {}
         self._targets = dict(self.model.state_dict(keep_vars=True))
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
     def update_weights(self, named_tensors) -> int:
         """Copy (hf_name, full tensor) pairs into the inference copy, in place; returns the count."""
+        self._targets = dict(self.model.state_dict(keep_vars=True))
         count = 0
         for name, tensor in named_tensors:
             target = self._targets.get(name)
@@ -91,6 +101,7 @@ class NativeRollout:
         self.decoder.release()
         self.model.to("cpu")
         torch.cuda.empty_cache()
+        self.memory["after_sleep_gb"] = cuda_memory_gb(self.device)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """On GPU: bring the weights back (tags None or containing "weights"); the KV cache is
@@ -99,6 +110,11 @@ class NativeRollout:
             return
         if tags is None or "weights" in tags:
             self.model.to(self.device)
+        self.memory["after_wake_up_gb"] = cuda_memory_gb(self.device)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Device memory (GiB allocated) recorded after the last sleep / wake_up / generate."""
+        return {f"rollout/mem_{k}": v for k, v in self.memory.items()}
 
     def shutdown(self) -> None:
         """Free the KV cache (the model copy goes with the engine object)."""
@@ -127,4 +143,6 @@ class NativeRollout:
         responses, response_mask, log_probs = (torch.cat(x, dim=0) for x in zip(*parts))
         meta = {"temperature": params.temperature if not params.greedy else 1.0}
         out = build_output(ids, mask, pos, responses, response_mask, log_probs, meta_info=meta)
+        if self.device.type == "cuda":
+            self.memory["peak_generate_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out.to("cpu")

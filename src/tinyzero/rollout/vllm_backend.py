@@ -108,7 +108,7 @@ def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams,
             top_k=-1 if greedy else params.top_k,
             max_tokens=params.response_length,
             stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=False,
+            ignore_eos=not params.stop_token_ids,  # stop only where the batch says (like the native engine)
             logprobs=0,
             detokenize=False,
             seed=None if greedy else seed + i * params.n,

@@ -21,7 +21,7 @@ import torch
 from tinyzero.protocol import DataProto
 from tinyzero.rollout import vllm_backend
 from tinyzero.rollout.config import RolloutConfig
-from tinyzero.rollout.native import resolve_dtype
+from tinyzero.rollout.native import cuda_memory_gb, resolve_dtype
 from tinyzero.rollout.outputs import (
     build_output,
     check_prompt_batch,
@@ -49,21 +49,31 @@ class VLLMRollout:
                                          load_dummy=load_dummy, trust_remote_code=trust_remote_code)
         self._asleep = False
         self._warned_truncation = False
+        self.memory: dict[str, float] = {"after_init_gb": cuda_memory_gb(self.device)}
 
     def update_weights(self, named_tensors) -> None:
         """Load (hf_name, full tensor) pairs (consumed lazily, layer by layer); resets the prefix cache."""
         vllm_backend.sync_weights(self.llm, named_tensors)
+        self.memory["after_sync_gb"] = cuda_memory_gb(self.device)
 
     def sleep(self) -> None:
+        """GPU with free_cache_engine: release the KV cache (and weights, per sleep_level)."""
         if self.config.free_cache_engine and not self._asleep:
             vllm_backend.sleep(self.llm, self.config.sleep_level)
             self._asleep = True
+            self.memory["after_sleep_gb"] = cuda_memory_gb(self.device)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what sleep freed; tags among ("weights", "kv_cache"), None for both."""
         if self._asleep:
             vllm_backend.wake_up(self.llm, tags)
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
+            self.memory[f"after_wake_{'_'.join(tags or ['all'])}_gb"] = cuda_memory_gb(self.device)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Device memory in use (GiB, all allocators) after each phase."""
+        return {f"rollout/mem_{k}": v for k, v in self.memory.items()}
 
     def shutdown(self) -> None:
         """Release the engine before torch.distributed is torn down."""

@@ -2,8 +2,9 @@
 
 `iter_full_params(model, bucket_bytes)` walks the parameters (and persistent buffers) in
 registration order, groups them into buckets of about `bucket_bytes` (full size), gathers
-one bucket (`DTensor.full_tensor()` for FSDP2 shards: a collective every rank of the mesh
-must enter in the same order, which the fixed walk guarantees) and yields its
+one bucket (FSDP2 Shard(0) parameters of one mesh with a single all_gather_into_tensor,
+other DTensors with `full_tensor()`: collectives every rank of the mesh must enter in the
+same order, which the fixed walk guarantees) and yields its
 (hf_name, full_tensor) pairs before gathering the next. A consumer that does not keep the
 tensors (engine.update_weights copies them) holds at most one bucket of gathered weights;
 the whole model never materializes on one rank. A single tensor larger than the bucket is
@@ -88,12 +89,74 @@ def iter_full_params(model: nn.Module, bucket_bytes: int = 512 << 20,
         yield from _emit(bucket, dtype)
 
 
+def _dim0_shard_group(t: torch.Tensor):
+    """The process group a DTensor is sharded over if it is FSDP2-style (Shard(0) on the last mesh dim,
+    replicated on any others), else None."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor) or t.ndim == 0:
+        return None
+    *outer, last = t.placements
+    if last != Shard(0) or any(p != Replicate() for p in outer):
+        return None
+    return t.device_mesh.get_group(t.device_mesh.ndim - 1)
+
+
+def _gather_dim0_bucket(tensors: list[torch.Tensor], group,
+                        dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
+    """Gather Shard(0) DTensors of one mesh with a single all_gather_into_tensor; yield them in order.
+
+    DTensor splits dim 0 like torch.chunk: rank r holds rows [r*c, min((r+1)*c, n)) with c = ceil(n / world),
+    so only trailing ranks are short. Each rank writes its shards, padded to c rows, straight into its
+    own slot of the output buffer (an in-place all-gather); the first n rows of the ranks' padded chunks
+    laid end to end are the full tensor. A bucket of one tensor is yielded as a view of the buffer;
+    otherwise each tensor is copied out when the consumer asks for it, so at most the buffer plus one
+    tensor is alive."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out_dtype = dtype or tensors[0].dtype
+    layout, width = [], 0
+    for t in tensors:
+        c = -(-t.shape[0] // world)
+        row = int(torch.Size(t.shape[1:]).numel())
+        layout.append((width, t.shape[0], c, t.shape[1:]))
+        width += c * row
+    out = torch.zeros(world, width, dtype=out_dtype, device=tensors[0].to_local().device)
+    mine = out[rank]
+    for t, (start, _, _, _) in zip(tensors, layout):
+        local = t.to_local().detach().reshape(-1)
+        mine[start:start + local.numel()].copy_(local)
+    dist.all_gather_into_tensor(out.view(-1), mine, group=group)
+    if len(tensors) == 1:
+        _, n, c, rest = layout[0]
+        yield out.view(world * c, *rest)[:n]
+        return
+    for start, n, c, rest in layout:
+        row = int(torch.Size(rest).numel())
+        yield out[:, start:start + c * row].reshape(world * c, *rest)[:n]  # strided: reshape copies
+    del out
+
+
+def _gather_bucket(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
+    """Full tensors of one bucket, in order: one collective for FSDP2 shards of a single mesh,
+    `DTensor.full_tensor()` per tensor otherwise, plain tensors as they are."""
+    groups = {_dim0_shard_group(t) for t in tensors}
+    dtypes = {t.dtype for t in tensors}
+    if len(groups) == 1 and None not in groups and (dtype is not None or len(dtypes) == 1):
+        yield from _gather_dim0_bucket(tensors, groups.pop(), dtype)
+        return
+    gathered = [_gather(t, dtype) for t in tensors]  # every collective before the first yield
+    while gathered:
+        yield gathered.pop(0)
+
+
 def _emit(bucket: list[tuple[list[str], torch.Tensor]],
           dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    gathered = [(names, _gather(t, dtype)) for names, t in bucket]
+    tensors = [t for _, t in bucket]
+    names = [n for n, _ in bucket]
     bucket.clear()
-    while gathered:
-        names, full = gathered.pop(0)
-        for name in names:
+    for tensor_names, full in zip(names, _gather_bucket(tensors, dtype)):
+        for name in tensor_names:
             yield name, full
         del full
