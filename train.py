@@ -61,6 +61,7 @@ def run(cfg) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
+    from tinyzero.trainer.ppo import NonFiniteError
 
     try:
         cfg = parse_args(argv)
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {get_rank()}] error: {e}\n  (raised at {where.filename}:{where.lineno})", file=sys.stderr,
               flush=True)
         return 2
+    except NonFiniteError as e:
+        # Not a bug to debug: the message says which step, what was non-finite and what to change.
+        print(f"[rank {get_rank()}] stopped: {e}", file=sys.stderr, flush=True)
+        return 3
     except BaseException:
         print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
