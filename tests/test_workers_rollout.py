@@ -122,7 +122,7 @@ def run(tiny_model_dir, tmp_path_factory):
     return _torch(res), export_dir
 
 
-def _greedy(model, prompt_ids: list[int], steps: int, eos_id: int) -> list[int]:
+def _greedy(model, prompt_ids: list[int], steps: int, eos_ids: set[int]) -> list[int]:
     """Plain greedy decoding: full forward per step, argmax of the last position."""
     ids = list(prompt_ids)
     out = []
@@ -131,7 +131,7 @@ def _greedy(model, prompt_ids: list[int], steps: int, eos_id: int) -> list[int]:
             nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
             out.append(nxt)
             ids.append(nxt)
-            if nxt == eos_id:
+            if nxt in eos_ids:
                 break
     return out
 
@@ -146,10 +146,12 @@ def _model_with(model_dir: str, params: dict):
 
 
 def test_generation_uses_current_actor_weights(run, tiny_model_dir):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     res, _ = run
-    eos = AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("<|im_end|>")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # Generation stops at the tokenizer's eos and at every eos of the generation config.
+    eos = {tok.eos_token_id, *GenerationConfig.from_pretrained(tiny_model_dir).eos_token_id}
     assert len(res["syncs"]) == 2  # the first generation and the one after the update; not the repeat
     assert torch.equal(res["gen_before"]["responses"], res["gen_again"]["responses"])
     assert not torch.equal(res["params_before"]["model.norm.weight"], res["params_after"]["model.norm.weight"])

@@ -66,6 +66,7 @@ class ActorRolloutRefWorker(Worker):
         self.ref: PPOActor | None = None
         self.rollout = None
         self.tokenizer = None
+        self.stop_token_ids: list[int] = []
         self._weights_version = 0  # bumped whenever the actor's weights change
         self._synced_version = -1  # version last pushed into the rollout engine
 
@@ -118,7 +119,21 @@ class ActorRolloutRefWorker(Worker):
             offload_after_init(model, fsdp)
         if self._is_rollout:
             self.rollout = self._build_rollout()
+            self.stop_token_ids = self._stop_token_ids()
         self._weights_version += 1
+
+    def _stop_token_ids(self) -> list[int]:
+        """End-of-sequence ids: the generation config's (it may list several) and the tokenizer's."""
+        from transformers import GenerationConfig
+
+        ids = [] if self.tokenizer.eos_token_id is None else [int(self.tokenizer.eos_token_id)]
+        try:
+            gen = GenerationConfig.from_pretrained(self.config.model.path, local_files_only=True)
+        except OSError:  # no generation_config.json in the folder
+            return ids
+        eos = gen.eos_token_id
+        ids += [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        return sorted(set(ids))
 
     def _build_rollout(self):
         from tinyzero.models.loading import load_hf_config
@@ -150,7 +165,7 @@ class ActorRolloutRefWorker(Worker):
         """Sample responses for this rollout group's prompts with the current actor weights."""
         if self.rollout is None:
             raise ValueError(f"generate_sequences needs a rollout role; this worker is {self.role!r}")
-        meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id}
+        meta = {"eos_token_id": self.stop_token_ids, "pad_token_id": self.tokenizer.pad_token_id}
         prompts.meta_info = {**meta, **prompts.meta_info}
         self.rollout.wake_up(tags=["weights"])
         self._sync_weights()
