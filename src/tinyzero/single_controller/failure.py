@@ -19,6 +19,7 @@ ResourcePool is given its own `timeout_s`.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -59,6 +60,7 @@ class _State:
     raised = False
     origin = False  # this rank published the abort
     watchdog: threading.Thread | None = None
+    watchdog_stop: threading.Event | None = None
 
 
 _state = _State()
@@ -153,12 +155,13 @@ def guard(what: str):
         raise
 
 
-def _watch(poll_s: float) -> None:
+def _watch(poll_s: float, stop: threading.Event) -> None:
     seen_at = None
-    while True:
-        time.sleep(poll_s)
+    while not stop.wait(poll_s):
+        if not dist.is_initialized():  # the job tore its process group down: nothing left to guard
+            return
         try:
-            message = read_abort() if dist.is_initialized() else None
+            message = read_abort()
         except Exception:  # noqa: BLE001 - the job is being torn down
             return
         if message is None or _state.raised:
@@ -176,11 +179,26 @@ def _watch(poll_s: float) -> None:
             os._exit(1)
 
 
+def _stop_watchdog() -> None:
+    """Stop the watchdog before interpreter teardown (a store call racing teardown aborts the process)."""
+    thread, stop = _state.watchdog, _state.watchdog_stop
+    if thread is not None and stop is not None:
+        stop.set()
+        thread.join(timeout=5)
+    _state.watchdog = None
+
+
 def start_watchdog(poll_s: float = 0.5) -> None:
     """Start the per-process abort watchdog once (only useful with more than one rank)."""
-    if _state.watchdog is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+    if _state.watchdog is not None and _state.watchdog.is_alive():
+        return
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     if os.environ.get("TINYZERO_ABORT_WATCHDOG", "1") == "0":
         return
-    _state.watchdog = threading.Thread(target=_watch, args=(poll_s,), name="tinyzero-abort-watchdog", daemon=True)
+    if _state.watchdog_stop is None:
+        atexit.register(_stop_watchdog)
+    _state.watchdog_stop = threading.Event()
+    _state.watchdog = threading.Thread(target=_watch, args=(poll_s, _state.watchdog_stop),
+                                       name="tinyzero-abort-watchdog", daemon=True)
     _state.watchdog.start()
