@@ -127,6 +127,9 @@ def _two_rank_modes():
     assert torch.equal(out.batch["scalar"], x[:, 0].double())  # 1-D, float64
     assert out.non_tensor_batch["id"].tolist() == list(range(6))
     assert out.meta_info == {"from_rank": 0}  # concat keeps the first chunk's meta_info
+    summary = wg.summary(data)
+    assert len(summary) == 0 and summary.meta_info == {"metrics": {"rows": 3, "rank": 0}}
+    assert wg.labels(data).non_tensor_batch["label"].tolist() == ["r0:0", "r0:1", "r0:2", "r1:3", "r1:4", "r1:5"]
     s = wg.pair(data, b=data)
     assert torch.equal(s.batch["s"], 2 * x)
 

@@ -63,6 +63,16 @@ class ModeWorker(Worker):
         return data.select_idxs(keep)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    def summary(self, data: DataProto) -> DataProto:
+        """No rows, only meta_info (like update_actor's metrics)."""
+        return DataProto(meta_info={"metrics": {"rows": len(data), "rank": self.rank}})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def labels(self, data: DataProto) -> DataProto:
+        """Non-tensor output only."""
+        return DataProto.from_dict(non_tensors={"label": [f"r{self.rank}:{i}" for i in data.non_tensor_batch["id"]]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def pair(self, a: DataProto, b: DataProto = None) -> DataProto:
         return DataProto.from_dict({"s": a.batch["x"] + b.batch["x"]})
 
