@@ -148,6 +148,15 @@ def _two_rank_modes():
     assert metrics == [{"rank": 0, "rows": 3, "sum": float(x[:3].double().sum())},
                        {"rank": 1, "rows": 3, "sum": float(x[3:].double().sum())}]
 
+    # ONE_TO_ALL DataProto outputs come back as a list, also when their keys and shapes differ
+    protos = wg.own_proto(2)
+    assert [sorted(p.batch) for p in protos] == [["k0"], ["k1"]]
+    assert torch.equal(protos[1].batch["k1"], torch.full((2, 3), 1))
+
+    same = wg.rows_proto(4)
+    assert [len(p) for p in same] == [1, 2] and [p.meta_info["rank"] for p in same] == [0, 1]
+    assert torch.equal(same[1].batch["v"], torch.ones(2, 4)) and same[1].non_tensor_batch["r"].tolist() == [1, 1]
+
     # Execute.RANK_ZERO runs on pool rank 0 only, every rank gets its output
     assert wg.only_zero(4) == (0, 4)
     assert wg.num_calls() == [1, 0]

@@ -94,6 +94,17 @@ class ModeWorker(Worker):
         return DataProto.from_dict({"z": data.batch["x"] + 100}, non_tensors={"id": data.non_tensor_batch["id"]})
 
     @register(Dispatch.ONE_TO_ALL)
+    def own_proto(self, width: int):
+        """A DataProto per worker with its own keys and shapes (gathered as a list)."""
+        return DataProto.from_dict({f"k{self.rank}": torch.full((self.rank + 1, width + self.rank), self.rank)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rows_proto(self, width: int):
+        """Same keys on every worker, rank + 1 rows each (gathered as tensors, then split)."""
+        return DataProto.from_dict({"v": torch.full((self.rank + 1, width), float(self.rank))},
+                                   non_tensors={"r": [self.rank] * (self.rank + 1)}, meta_info={"rank": self.rank})
+
+    @register(Dispatch.ONE_TO_ALL)
     def num_calls(self):
         return self.calls
 

@@ -137,6 +137,13 @@ def _start_gather(local: torch.Tensor | None, rows: list[int], trail: tuple, dty
     return work, lambda: torch.cat([blocks[i, : rows[i]] for i in order])
 
 
+def protos_compatible(envs: list[Envelope], ranks: list[int]) -> bool:
+    """Whether the DataProtos of these ranks can be gathered tensor by tensor (same keys, same
+    dtype / device / trailing shape per key; row counts may differ)."""
+    ref = [(s.key, s.shape[1:], s.dtype, s.device_type) for s in envs[ranks[0]].specs]
+    return all([(s.key, s.shape[1:], s.dtype, s.device_type) for s in envs[i].specs] == ref for i in ranks)
+
+
 def gather_protos(envs: list[Envelope], local, order: list[int], group, label: str):
     """Concatenate the DataProto outputs of the pool ranks in `order` into one DataProto on every rank."""
     from tinyzero.distributed import get_device

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tinyzero.single_controller import decorator as dec
 from tinyzero.single_controller.decorator import DP_MODES, Dispatch, Execute, MethodSpec
-from tinyzero.single_controller.failure import collective_timeout_s, control_store, record_abort
+from tinyzero.single_controller.failure import collective_timeout_s, control_store, guard, record_abort
 from tinyzero.single_controller.future import LazyResult, flush_pending, materialize, materialize_args
 from tinyzero.single_controller.resource_pool import ResourcePool, ensure_distributed
 from tinyzero.single_controller.spmd import check_same_call, next_call_seq, spmd_check_enabled
@@ -33,6 +33,7 @@ from tinyzero.single_controller.transport import (
     format_failure,
     gather_protos,
     make_envelope,
+    protos_compatible,
     raise_if_failed,
 )
 from tinyzero.single_controller.worker import _constructing
@@ -195,7 +196,14 @@ class WorkerGroup:
 
         proto_ranks = [i for i in order if envs[i].kind == "proto"]
         protos = {}
-        if proto_ranks:
+        if proto_ranks and not protos_compatible(envs, proto_ranks):
+            # Unlike DataProtos (other keys or shapes per rank) cannot share one gather: pickle them.
+            gathered: list = [None] * self.world_size
+            with guard(label):
+                dist.all_gather_object(gathered, output if envs[self._rank].kind == "proto" else None,
+                                       group=self.resource_pool.control_group)
+            protos = {i: gathered[i] for i in proto_ranks}
+        elif proto_ranks:
             joined = gather_protos(envs, output, proto_ranks, self.resource_pool.control_group, label)
             offset = 0
             for i in proto_ranks:
