@@ -15,7 +15,9 @@ Weight sync (2 gloo ranks, FSDP2-sharded random Qwen2, hidden 512, 8 layers): it
 NativeRollout.update_weights, seconds per GB of fp32 weights and the peak extra resident memory
 of rank 0 during the sync (sampled every ms) next to the bucket size and the largest tensor (the
 embedding, a bucket of its own; gloo's all-gather stages a copy of the output, so expect about
-twice the largest bucket).
+twice the largest bucket). For comparison, the other way to generate from the FSDP2 actor --
+unsharding every parameter group for the whole rollout -- is timed the same way and the memory
+it holds while unsharded is reported (fsdp_unshard_*).
 GPU (when CUDA is available): native engine on a Qwen2.5-0.5B-shaped random model in bf16,
 batch 256, 512 new tokens, against HF generate; weight sync per GB and peak extra CUDA memory.
 Throughputs are medians over rounds; ratios are medians of per-round ratios (the runs of one round
@@ -258,7 +260,24 @@ def _sync_part(bucket_mb: int, rounds: int) -> dict:
             dist.barrier()
             times.append(time.perf_counter() - t)
         extra.append(mem.extra_mb)
+    # The alternative: generate under FSDP2 with every parameter group unsharded for the whole rollout.
+    un_times, un_extra = [], []
+    modules = [*model.model.layers, model]
+    for _ in range(rounds):
+        dist.barrier()
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            for m in modules:
+                m.unshard()
+            dist.barrier()
+            un_times.append(time.perf_counter() - t)
+            held = mem._proc.memory_info().rss - mem.base
+        un_extra.append(max(held, 0) / 2**20)
+        for m in modules:
+            m.reshard()
     return {"sync_model_gb": round(gb, 3), "sync_s_per_gb": round(statistics.median(times) / gb, 3),
+            "fsdp_unshard_s_per_gb": round(statistics.median(un_times) / gb, 3),
+            "fsdp_unshard_held_mb": round(max(un_extra), 1),
             "sync_peak_extra_mb": round(max(extra), 1), "sync_bucket_mb": bucket_mb,
             "sync_largest_tensor_mb": round(largest_mb, 1), "sync_ranks": 2}
 

@@ -67,18 +67,27 @@ def attention_mask(key_valid: torch.Tensor, start: int, num_new: int) -> torch.T
     return mask.unsqueeze(1)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One query per sequence over the cache, GQA by grouping query heads per kv head.
 
-    q: (B, heads, 1, D); k, v: (B, kv_heads, S, D); bias: (B, 1, S) additive (0 / -inf)."""
+    q: (B, heads, 1, D); k_t: (B, kv_heads, D, S); v: (B, kv_heads, S, D); bias: (B, 1, S) additive."""
     B, H, _, D = q.shape
-    KV, S = k.shape[1], k.shape[2]
-    q = q.reshape(B * KV, H // KV, D)
-    bias = bias[:, None].expand(B, KV, 1, S).reshape(B * KV, 1, S)
-    scores = torch.baddbmm(bias, q, k.reshape(B * KV, S, D).transpose(1, 2), alpha=scale)  # (B*KV, g, S)
-    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    KV, S = k_t.shape[1], k_t.shape[3]
+    scores = torch.bmm(q.reshape(B * KV, H // KV, D), k_t.reshape(B * KV, D, S)).view(B, H, S)
+    scores = scores.float().mul_(scale).add_(bias)  # (B, heads, S)
+    probs = scores.softmax(dim=-1).to(v.dtype).view(B * KV, H // KV, S)
     return torch.bmm(probs, v.reshape(B * KV, S, D)).view(B, H, 1, D)
+
+
+def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's Llama-family RMSNorm, op for op (so bit-identical), minus the module-call overhead."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        return module(x)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return module.weight * h.to(x.dtype)
 
 
 def fused_supported(model: nn.Module) -> str | None:
@@ -176,18 +185,19 @@ class FusedDecoder:
         f = self.fused[layer_idx]
         qkv = F.linear(x, f["qkv_w"], f["qkv_b"]).view(B, T, H + 2 * KV, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
-            qk = torch.cat([attn.q_norm(qkv[:, :, :H]), attn.k_norm(qkv[:, :, H:H + KV])], dim=2)
+            qk = torch.cat([rms_norm(attn.q_norm, qkv[:, :, :H]), rms_norm(attn.k_norm, qkv[:, :, H:H + KV])],
+                           dim=2)
         else:
             qk = qkv[:, :, :H + KV]
         qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, H + KV, T, D): q and k heads rotated at once
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, :, H + KV:].transpose(1, 2)  # (B, KV, T, D)
-        k_all, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv_heads, S, D)
+        k_t, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv, D, S), (B, kv, S, D)
         scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
         if T == 1:  # decode: mask is an additive (B, 1, S) bias; batched matmuls beat sdpa's overhead
-            out = decode_attention(q, k_all, v_all, mask, scale)  # (B, heads, 1, D)
+            out = decode_attention(q, k_t, v_all, mask, scale)  # (B, heads, 1, D)
         else:
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+            out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -209,9 +219,9 @@ class FusedDecoder:
         else:
             mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, mask, start)
-            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x[:, -1])).float()
+            x = x + self._attention(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, mask, start)
+            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+        return self.lm_head(rms_norm(self.norm, x[:, -1])).float()
 
 
 class HFDecoder:

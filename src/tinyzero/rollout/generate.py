@@ -14,7 +14,9 @@ from typing import Callable
 
 import torch
 
-from tinyzero.rollout.sampling import SamplingParams, sample_from_logits
+from tinyzero.rollout.sampling import SamplingParams, gumbel_noise, sample_from_logits
+
+NOISE_BYTES = 32 << 20  # Gumbel noise is drawn for several steps at once, up to this size
 
 # decoder(input_ids (B,T), position_ids (B,T), key_valid (B,start+T) bool, start) -> logits (B,V)
 Decoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -53,9 +55,15 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     next_pos = prompt_pos[:, -1] + 1  # (B,)
 
     logits = prefill(decoder, prompt_ids, prompt_pos, key_valid)
+    V = logits.shape[-1]
+    noise_steps = max(1, min(R, NOISE_BYTES // (4 * B * V)))
+    noise = None
     steps = R
     for t in range(R):
-        tok, logp = sample_from_logits(logits, params, generator)
+        if not params.greedy and t % noise_steps == 0:
+            noise = gumbel_noise((min(noise_steps, R - t), B, V), generator, device)
+        step_noise = None if noise is None else noise[t % noise_steps]
+        tok, logp = sample_from_logits(logits, params, generator, step_noise)
         tokens[:, t] = tok
         log_probs[:, t] = logp
         # Rows past their stop token keep decoding (static batch); they are masked out below.

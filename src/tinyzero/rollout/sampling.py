@@ -90,9 +90,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def sample_from_logits(logits: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row. logits: (batch, vocab) -> (tokens (batch,) int64, log-probs (batch,) fp32)."""
+def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator | None,
+                 device: torch.device | str) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log(U)), fp32; U = 0 gives -inf (that token is never picked)."""
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    return u.log_().neg_().log_().neg_()
+
+
+def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                       noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row. logits: (batch, vocab) -> (tokens (batch,) int64, log-probs (batch,) fp32).
+
+    noise: optional (batch, vocab) Gumbel noise drawn ahead (generate() draws several steps at once);
+    drawn here from `generator` when None."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
@@ -101,9 +111,9 @@ def sample_from_logits(logits: torch.Tensor, params: SamplingParams,
         scaled = logits / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         kept = apply_top_k_top_p(scaled, params.top_k, params.top_p)
-        u = torch.rand(kept.shape, generator=generator, device=kept.device, dtype=torch.float32)
-        gumbel = u.log_().neg_().log_().neg_()  # -log(-log(u)); u = 0 gives -inf, never picked
-        tokens = (kept + gumbel).argmax(dim=-1)
+        if noise is None:
+            noise = gumbel_noise(kept.shape, generator, kept.device)
+        tokens = (kept + noise).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
