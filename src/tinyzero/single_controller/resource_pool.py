@@ -46,7 +46,8 @@ def _groups_for(ranks: tuple[int, ...], timeout_s: float | None):
         group = dist.new_group(ranks=list(ranks), timeout=timeout, group_desc=f"pool_{tag}")
     # The controller's own traffic (status, gathers) never shares a group with the workers'
     # collectives, so a rank that fails mid-method cannot pair its status with a peer's all_reduce.
-    control = dist.new_group(ranks=list(ranks), timeout=timeout, group_desc=f"pool_control_{tag}")
+    # gloo: it only carries CPU objects, so it never costs a GPU communicator.
+    control = dist.new_group(ranks=list(ranks), timeout=timeout, backend="gloo", group_desc=f"pool_control_{tag}")
     outside = [r for r in range(world) if r not in ranks]
     result = None
     if outside:

@@ -6,10 +6,12 @@ Every rank runs the same driver and makes the same calls. For `wg.method(*args)`
 2. ranks in the pool take their share of the (replicated) arguments by the method's
    Dispatch mode -- no communication;
 3. Execute.ALL runs the method on every worker of the pool, Execute.RANK_ZERO on pool rank 0;
-4. one small exchange carries every rank's status and output description; a failure on any
+4. one small exchange (on the pool's control group, never shared with the workers' own
+   collectives) carries every rank's status and output description; a failure on any
    rank raises RemoteWorkerError with that rank's traceback on every rank of the pool (and,
    through the job's store, on the ranks outside it); outputs are then gathered inside the
-   pool and reach the other ranks when first used.
+   pool -- over the pool's process group, which every rank has left by then, so GPU tensors
+   reuse the workers' NCCL communicator -- and reach the other ranks when first used.
 
     pool = ResourcePool(ranks=[0, 1])
     wg = WorkerGroup(resource_pool=pool, cls_with_init=ClassWithInitArgs(MyWorker, lr=1e-3))
@@ -178,13 +180,13 @@ class WorkerGroup:
             envs = exchange(make_envelope(output, error, rank == 0), pool.control_group, label)
             raise_if_failed(envs, pool.ranks, label)
             if envs[0].kind == "proto" and n > 1:
-                return broadcast_value(output, 0, pool.control_group, label, header=envs[0])
+                return broadcast_value(output, 0, pool.process_group, label, header=envs[0])
             return output if rank == 0 else envs[0].value
         contribute = rank in order
         envs = exchange(make_envelope(output, error, contribute), pool.control_group, label)
         raise_if_failed(envs, pool.ranks, label)
         if spec.dispatch_mode in (Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_PROTO_WITH_FUNC):
-            return gather_protos(envs, output, order, pool.control_group, label)
+            return gather_protos(envs, output, order, pool.process_group, label)
         outputs = self._gather_list(envs, output, order, label)
         if spec.dispatch_mode is None:
             return spec.collect_fn(self, outputs)
@@ -198,13 +200,20 @@ class WorkerGroup:
         protos = {}
         if proto_ranks and not protos_compatible(envs, proto_ranks):
             # Unlike DataProtos (other keys or shapes per rank) cannot share one gather: pickle them.
+            from tinyzero.distributed import get_device
+
+            mine = None
+            if envs[self._rank].kind == "proto":  # CPU copies: a pickled CUDA tensor would land on the sender's GPU
+                mine = DataProto(batch=output.batch.to("cpu"), non_tensor_batch=output.non_tensor_batch,
+                                 meta_info=output.meta_info)
             gathered: list = [None] * self.world_size
             with guard(label):
-                dist.all_gather_object(gathered, output if envs[self._rank].kind == "proto" else None,
-                                       group=self.resource_pool.control_group)
-            protos = {i: gathered[i] for i in proto_ranks}
+                dist.all_gather_object(gathered, mine, group=self.resource_pool.control_group)
+            for i in proto_ranks:
+                on_gpu = any(spec.device_type != "cpu" for spec in envs[i].specs)
+                protos[i] = gathered[i].to(get_device()) if on_gpu else gathered[i]
         elif proto_ranks:
-            joined = gather_protos(envs, output, proto_ranks, self.resource_pool.control_group, label)
+            joined = gather_protos(envs, output, proto_ranks, self.resource_pool.process_group, label)
             offset = 0
             for i in proto_ranks:
                 non_tensor, meta, rows = envs[i].value
