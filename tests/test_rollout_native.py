@@ -68,6 +68,25 @@ def test_greedy_equals_hf_generate_random_model(kind, impl):
     assert (got[:, ref.shape[1]:] == 0).all()
 
 
+def test_any_causal_lm_through_hf_decoder():
+    """A non-Llama architecture (GPT-2: learned positions, fused c_attn) runs through the HF decoder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tinyzero.rollout.decoder import HFDecoder
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                       eos_token_id=1, pad_token_id=0, bos_token_id=1)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)  # sharper logits
+    batch = _prompt_batch(4, 7, 96)
+    engine = _engine(model, "auto", response_length=12, do_sample=False)
+    assert isinstance(engine.decoder, HFDecoder)
+    ref = _hf_greedy(model, batch, 12)
+    assert torch.equal(engine.generate_sequences(batch).batch["responses"][:, : ref.shape[1]], ref)
+
+
 def test_greedy_equals_hf_generate_tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -12,8 +12,10 @@ Two implementations behind one call, `decoder(input_ids, position_ids, key_valid
   query heads per kv head). lm_head runs on the last position only.
 * `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
-Measured on CPU (bench/rollout.py, tiny model, batch 64, 128 new tokens) the fused decoder
-is the faster one, so "auto" picks it whenever the model is of the supported family.
+Measured on CPU (bench/rollout.py: tiny model, batch 64, 128 new tokens, 1 thread) the fused
+decoder generates 1.6-1.8x faster than driving the HF model with its cache (and 2.2-2.8x faster
+than HF generate), so "auto" picks it whenever the model is of the supported family; greedy
+output of both equals HF generate token for token in fp32 (tests/test_rollout_native.py).
 
 Shapes: B batch, T new tokens, S = start + T filled cache slots, V vocab.
 key_valid (B, S) bool marks the slots that hold real tokens (left padding is False).
