@@ -10,7 +10,11 @@ gloo, PPO loss, AdamW, grad clipping) on one fixed global batch. Runs of 1 rank 
 ranks alternate (A B A B ...) in fresh process groups; each run times `steps` calls of
 update_actor after a warm-up. tokens/s counts the real (unpadded) prompt+response tokens
 of the global batch per second; scaling_2_ranks = median tokens/s on 2 ranks / on 1 rank
-(ideal 2.0).
+(ideal 2.0). On a machine shared with other jobs the wall clock also measures how often
+the scheduler runs both ranks at once, so the CPU seconds of the busiest rank per step are
+reported too: work_scaling_2_ranks = CPU s (1 rank) / CPU s (busiest of 2 ranks), the
+scaling idle cores would show. Defaults: one micro-batch per rank and ZeRO-2 style
+sharding (layers stay gathered until backward), which halves the collectives per step.
 
 GPU part (when CUDA is available and --gpu or no CPU-only flag): update_actor of a
 Qwen2.5-0.5B-shaped random model (hidden 896, 24 layers, vocab 151936) in bf16 on one GPU;
