@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 2 train.py sft --preset demo_cpu_sft      # format warm-up
     torchrun --nproc_per_node 2 train.py --preset demo_cpu              # GRPO
 
-The warm-up teaches the answer format only (its targets are random sums), so the policy
-starts near chance; GRPO then has to discover the right answers from the reward alone.
+The warm-up teaches the answer format only (its targets are near misses, the sum + 1 or + 2), so
+the policy starts with almost no right answers; GRPO has to find them from the reward alone.
 """
 
 from __future__ import annotations
