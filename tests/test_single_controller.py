@@ -196,6 +196,8 @@ def _two_rank_modes():
     assert info.value.rank == 1
     assert "ValueError: boom on pool rank 1" in str(info.value) and "in fail_on" in str(info.value)
     assert wg.add(0) == [16, 17]
+    with pytest.raises(RemoteWorkerError, match="cannot be sent to the other ranks"):
+        wg.unpicklable_on(1)
 
     # ... also when it happens on a pool this rank is not in
     f = None

@@ -118,6 +118,10 @@ class ModeWorker(Worker):
             raise ValueError(f"boom on pool rank {pool_rank}")
         return self.rank
 
+    @register(Dispatch.ONE_TO_ALL)
+    def unpicklable_on(self, pool_rank: int):
+        return (lambda: 0) if self.rank == pool_rank else 0
+
     def ping(self, x=0):
         return (self.rank, x)
 

@@ -39,7 +39,7 @@ class Envelope:
 
     error: str | None = None
     kind: str = "none"            # "none" (no output), "obj" (value inside), "proto" (DataProto)
-    value: Any = None             # the value ("obj") or (non_tensor_batch, meta_info) ("proto")
+    value: Any = None             # the value ("obj") or (non_tensor_batch, meta_info, rows) ("proto")
     specs: list[TensorSpec] = field(default_factory=list)
 
 
@@ -73,7 +73,14 @@ def exchange(env: Envelope, group, label: str) -> list[Envelope]:
     n = dist.get_world_size(group)
     if n == 1:
         return [env]
-    payload = pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        payload = pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - an unpicklable output must fail every rank, not hang them
+        rank = dist.get_rank()
+        error = (f"{label}: the output on rank {rank} cannot be sent to the other ranks ({type(e).__name__}: {e}); "
+                 "return tensors, DataProto or plain Python values")
+        record_abort(error)
+        payload = pickle.dumps(Envelope(error=error), protocol=pickle.HIGHEST_PROTOCOL)
     slot = torch.zeros(_SLOT_BYTES + 8, dtype=torch.uint8)
     slot[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
     if len(payload) <= _SLOT_BYTES:
