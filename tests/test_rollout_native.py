@@ -181,6 +181,10 @@ def test_update_weights_in_place_changes_output():
     batch = _prompt_batch(3, 6, old.config.vocab_size)
     engine = _engine(old, response_length=12, do_sample=False)
     before = engine.generate_sequences(batch).batch["responses"]
+    # What a GPU sleep / wake does to the copy: caches dropped, every parameter given new storage
+    # (breaking the fused q/k/v and gate/up views), then new weights pushed in.
+    engine.decoder.release()
+    engine.model.to(torch.float64).to(torch.float32)
     engine.update_weights((k, v.clone()) for k, v in new.state_dict().items())
     after = engine.generate_sequences(batch).batch["responses"]
     ref = _hf_greedy(new, batch, 12)

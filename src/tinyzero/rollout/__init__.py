@@ -7,6 +7,18 @@
     engine.sleep(); engine.wake_up(tags=None)
 
 "native" (native.py) runs anywhere torch runs; "vllm" (vllm_rollout.py) is vLLM in-process.
+
+Decisions (numbers from bench/rollout.py on the 2-core CPU machine):
+* The native engine generates from its own inference copy of the model, fed by
+  `iter_full_params` before each rollout, rather than under FSDP2 with parameters unsharded.
+  Both move the same bytes (one all-gather per bucket vs one per layer group; about 4 s/GB each
+  on 2 gloo ranks), but the copy lets generation use the static KV cache and fused decoder with
+  no FSDP hooks per decode step, keeps the trainer's (fp32) weights sharded throughout, holds at
+  most a bucket of gathered tensors while syncing (unsharding holds the whole fp32 model for the
+  rollout), and on GPU sleeps in host memory between rollouts.
+* Log-probs: log_softmax(logits / T) of the sampled token over the full vocabulary, the
+  trainer's convention (sampling.py); vLLM matches it exactly when top-k / top-p are off.
+* Rows of one prompt are adjacent: prompt i -> rows i*n .. i*n+n-1.
 """
 
 from __future__ import annotations

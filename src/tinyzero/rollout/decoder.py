@@ -82,6 +82,13 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: 
     return torch.bmm(probs, v.reshape(B * KV, S, D)).view(B, H, 1, D)
 
 
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """F.linear on an nn.Linear's weights (skips the module-call overhead on the decode path)."""
+    if type(module) is nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
 def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """HF's Llama-family RMSNorm, op for op (so bit-identical), minus the module-call overhead."""
     eps = getattr(module, "variance_epsilon", None)
@@ -144,6 +151,8 @@ class FusedDecoder:
             self.fused.append({"qkv_w": qkv_w, "qkv_b": qkv_b, "gate_up_w": gate_up_w})
 
     def _fusion_intact(self) -> bool:
+        if len(self.fused) != len(self.layers):
+            return False
         for layer, f in zip(self.layers, self.fused):
             a, m = layer.self_attn, layer.mlp
             if a.q_proj.weight.data_ptr() != f["qkv_w"].data_ptr() or \
@@ -172,9 +181,11 @@ class FusedDecoder:
         self.sin_table = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # signed, see apply_rope
 
     def release(self) -> None:
+        """Drop the caches and the fused buffers (re-fused from the parameters by the next reset)."""
         self.caches = []
         self.cos_table = self.sin_table = None
         self.key_bias = None
+        self.fused = []
 
     def begin(self, key_valid: torch.Tensor) -> None:
         """Per batch: the additive attention bias (0 for valid slots, -inf for padding), (B, P+R)."""
@@ -201,17 +212,17 @@ class FusedDecoder:
         else:
             out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return _linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.fused[layer_idx]["gate_up_w"]).chunk(2, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+        return _linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
                  start: int) -> torch.Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position."""
-        x = self.embed(input_ids)  # (B, T, H)
+        x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
         cos, sin = self.cos_table[position_ids], self.sin_table[position_ids]  # (B, T, D) each
         if input_ids.shape[1] == 1:
             if self.key_bias is None or self.key_bias.shape[0] != key_valid.shape[0] \
@@ -223,7 +234,7 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, mask, start)
             x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
-        return self.lm_head(rms_norm(self.norm, x[:, -1])).float()
+        return _linear(self.lm_head, rms_norm(self.norm, x[:, -1])).float()
 
 
 class HFDecoder:

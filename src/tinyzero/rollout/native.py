@@ -98,7 +98,7 @@ class NativeRollout:
         """On GPU: free the KV cache and move the weights to host memory. No-op on CPU."""
         if self.device.type != "cuda":
             return
-        self.decoder.release()
+        self.decoder.release()  # also drops the fused device buffers the parameters view
         self.model.to("cpu")
         torch.cuda.empty_cache()
         self.memory["after_sleep_gb"] = cuda_memory_gb(self.device)

@@ -127,7 +127,9 @@ def _gather_dim0_bucket(tensors: list[torch.Tensor], group,
     for t, (start, _, _, _) in zip(tensors, layout):
         local = t.to_local().detach().reshape(-1)
         mine[start:start + local.numel()].copy_(local)
-    dist.all_gather_into_tensor(out.view(-1), mine, group=group)
+    # all_gather_single is the newer name of all_gather_into_tensor (deprecated in recent torch).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out.view(-1), mine, group=group)
     if len(tensors) == 1:
         _, n, c, rest = layout[0]
         yield out.view(world * c, *rest)[:n]
