@@ -328,3 +328,35 @@ def test_spmd_divergence_is_detected():
             assert "first divergent rank" in message, message
     assert "rank(s) [1] did not make" in results[0]["missing"][1]
     assert "dpc" in results[0]["method"][1] and "add" in results[0]["method"][1]
+
+
+def _rank_dependent_use():
+    import torch.distributed as dist
+
+    from tests.test_single_controller_workers import ModeWorker
+    from tinyzero.single_controller import (
+        ClassWithInitArgs,
+        ResourcePool,
+        SPMDDivergenceError,
+        WorkerGroup,
+        materialize,
+    )
+
+    _init()
+    sub = WorkerGroup(resource_pool=ResourcePool(ranks=[1]), cls_with_init=ClassWithInitArgs(ModeWorker))
+    result = sub.add(x=1)
+    if dist.get_rank() == 0:  # only rank 0 looks at the result: rank 1 (the sender) never follows
+        try:
+            materialize(result)
+        except SPMDDivergenceError as e:
+            return (e.rank, str(e))
+        return "no error"
+    return "did not use it"
+
+
+def test_rank_dependent_use_of_a_result_is_detected():
+    env = {"TINYZERO_CHECK_SPMD": "1", "TINYZERO_CHECK_SPMD_TIMEOUT_S": "3"}
+    results = run_distributed(_rank_dependent_use, 2, timeout=120, env=env)
+    assert results[1] == "did not use it"
+    first_rank, message = results[0]
+    assert first_rank == 1 and "did not within" in message and "ModeWorker.add" in message, message

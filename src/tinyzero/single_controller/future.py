@@ -24,6 +24,7 @@ import operator
 import torch.distributed as dist
 
 from tinyzero.single_controller.failure import RemoteWorkerError, control_store, wait_for_key
+from tinyzero.single_controller.spmd import check_delivery, spmd_check_enabled
 from tinyzero.single_controller.transport import broadcast_value
 
 __all__ = ["LazyResult", "materialize", "flush_pending", "materialize_args"]
@@ -70,6 +71,8 @@ class LazyResult:
     def _lz_deliver(self) -> None:
         group, label = self._lz_group, self._lz_label
         src_index = dist.get_group_rank(group, self._lz_src)
+        if spmd_check_enabled():
+            check_delivery(self._lz_seq, label, dist.get_process_group_ranks(group))
         if self._lz_role == "src":
             value = broadcast_value(self._lz_value, src_index, group, label)
         else:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tinyzero.single_controller.failure import SPMDDivergenceError, control_store
 
-__all__ = ["spmd_check_enabled", "fingerprint", "check_same_call", "next_call_seq"]
+__all__ = ["spmd_check_enabled", "fingerprint", "check_same_call", "check_delivery", "next_call_seq"]
 
 _call_counter = itertools.count(1)
 
@@ -130,3 +130,30 @@ def check_same_call(seq: int, label: str, args: tuple, kwargs: dict) -> None:
         f"SPMD divergence at controller call #{seq}: first divergent rank is {bad[0]} "
         f"(it entered {entries[bad[0]]!r}; the others entered {reference!r}). Every rank must run the "
         f"same driver code on the same data. All ranks:\n{lines}", rank=bad[0])
+
+
+def check_delivery(seq: int, label: str, ranks: list[int]) -> None:
+    """Raise SPMDDivergenceError unless every rank in `ranks` uses the result of call #seq.
+
+    A result of a pool that is not the whole world crosses to the other ranks when it is first
+    used; a rank that uses it while another does not (e.g. under `if rank == 0:`) would wait
+    forever. With the switch on, that names the ranks that did not follow.
+    """
+    store = control_store()
+    if store is None:
+        return
+    rank = dist.get_rank()
+    store.set(f"deliver/{seq}/{rank}", "1")
+    keys = [f"deliver/{seq}/{r}" for r in ranks]
+    deadline = time.monotonic() + _timeout_s()
+    sleep_s = 1e-4
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            raise SPMDDivergenceError(
+                f"SPMD divergence: rank {rank} used the result of controller call #{seq} ({label}) but rank(s) "
+                f"{missing} did not within {_timeout_s():.0f} s (TINYZERO_CHECK_SPMD_TIMEOUT_S); every rank must use "
+                "a result at the same point of the driver (no rank-dependent use); first divergent rank: "
+                + str(missing[0]), rank=missing[0])
+        time.sleep(sleep_s)
+        sleep_s = min(2 * sleep_s, 0.01)
