@@ -94,6 +94,8 @@ def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     eps = getattr(module, "variance_epsilon", None)
     if eps is None:
         return module(x)
+    if x.dtype == torch.float32:
+        return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return module.weight * h.to(x.dtype)

@@ -108,7 +108,7 @@ def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: 
         tokens = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
     else:
-        scaled = logits / params.temperature
+        scaled = logits / params.temperature if params.temperature != 1.0 else logits
         logp = torch.log_softmax(scaled, dim=-1)
         kept = apply_top_k_top_p(scaled, params.top_k, params.top_p)
         if noise is None:
