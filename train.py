@@ -24,6 +24,8 @@ the flags.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 import traceback
@@ -59,14 +61,18 @@ def run(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tinyzero.config import parse_args
+    from tinyzero.config import ConfigError, parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
     from tinyzero.trainer.ppo import NonFiniteError
 
+    # Config checks are the same on every rank, so only rank 0 reports them (once per job).
+    quiet = get_rank() != 0
     try:
-        cfg = parse_args(argv)
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+            cfg = parse_args(argv)  # tyro reports bad flags itself and exits (SystemExit)
     except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if not quiet:
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -75,15 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         set_seed(cfg.trainer.seed)
         run(cfg)
         return 0
+    except ConfigError as e:
+        if get_rank() == 0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        return 2
     except ValueError as e:
-        # A setting or input the user can fix: one line (per rank that hit it), not a wall of traceback.
+        # An input the user can fix (a bad data row, a missing file): one line per rank that hit it.
         where = traceback.extract_tb(e.__traceback__)[-1]
         print(f"[rank {get_rank()}] error: {e}\n  (raised at {where.filename}:{where.lineno})", file=sys.stderr,
               flush=True)
         return 2
     except NonFiniteError as e:
         # Not a bug to debug: the message says which step, what was non-finite and what to change.
-        print(f"[rank {get_rank()}] stopped: {e}", file=sys.stderr, flush=True)
+        # Metrics are reduced over ranks, so every rank stops at the same step: rank 0 reports it.
+        if get_rank() == 0:
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
         return 3
     except BaseException:
         print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -145,3 +145,25 @@ def test_every_field_has_a_docstring():
 def test_to_dict_is_plain():
     d = to_dict(load_preset("demo_cpu"))
     assert isinstance(d["actor_rollout_ref"]["actor"]["optim"]["betas"], list)
+
+
+def test_unknown_flag_names_nearest():
+    with pytest.raises(ValueError, match=r"unknown flag --trainer\.total_epoch .*did you mean 'trainer\.total_epochs'"):
+        parse_args(["--preset", "demo_cpu", "--trainer.total_epoch", "3"])
+    with pytest.raises(ValueError, match=r"--actor_rollout_ref\.actor\.optim\.lrr .*'actor_rollout_ref\.actor\.optim\.lr'"):
+        parse_args(["--actor_rollout_ref.actor.optim.lrr=1e-6"])
+
+
+def test_help_lists_every_flag():
+    import os
+    import subprocess
+    import sys
+
+    from tinyzero.config import flag_names
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "COLUMNS": "100"})
+    assert out.returncode == 0, out.stderr
+    missing = [name for name in flag_names() if f"--{name}" not in out.stdout]
+    assert not missing, missing

@@ -106,9 +106,15 @@ def test_resume_after_kill_matches_uninterrupted(demo_setup):
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
 
 
-def test_config_error_is_one_clear_line(demo_setup):
-    out = subprocess.run(_cmd(_rl_args(demo_setup, "bad", "--actor_rollout_ref.rollout.n=1",
-                                       "--algorithm.adv_estimator=grpo")),
-                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("extra,text", [
+    ("--actor_rollout_ref.rollout.n=1", "rollout.n >= 2"),  # checked while parsing
+    ("--actor_rollout_ref.rollout.tensor_model_parallel_size=4", "must divide the actor pool size 2"),  # world size
+    ("--trainer.total_epoch=3", "did you mean 'trainer.total_epochs'"),  # a misspelt flag
+])
+def test_config_error_is_one_clear_line(demo_setup, extra, text):
+    out = subprocess.run(_cmd(_rl_args(demo_setup, "bad", extra)), env={**ENV, "COLUMNS": "250"}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "rollout.n >= 2" in out.stderr
+    assert out.stderr.count(text) == 1, out.stderr[-3000:]  # once per job, not once per rank
+    assert 'train.py", line' not in out.stderr, out.stderr[-3000:]  # no traceback from the ranks
+    assert not (demo_setup / "bad" / "checkpoints").exists()

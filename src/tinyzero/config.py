@@ -29,6 +29,13 @@ MODES = ("ppo", "sft", "rm", "dpo")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
 
 
+class ConfigError(ValueError):
+    """A setting (or a combination of settings) to change; the message names it and the fix.
+
+    Config checks are deterministic, so every rank raises the same one: train.py prints it once.
+    """
+
+
 @dataclass
 class TrainerConfig:
     """The run itself: length, logging, validation, checkpoints, placement (veRL: `trainer`)."""
@@ -97,19 +104,19 @@ class TrainerConfig:
             self.logger = [self.logger]
         for name in self.logger:
             if name not in known:
-                raise ValueError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
+                raise ConfigError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
                                  f"choose from {list(known)}")
         for name in ("total_epochs",):
             if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1 (got {getattr(self, name)})")
+                raise ConfigError(f"trainer.{name} must be >= 1 (got {getattr(self, name)})")
         if self.total_training_steps is not None and self.total_training_steps < 1:
-            raise ValueError(f"trainer.total_training_steps must be >= 1 or None (got {self.total_training_steps})")
+            raise ConfigError(f"trainer.total_training_steps must be >= 1 or None (got {self.total_training_steps})")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
-            raise ValueError('trainer.resume_mode="resume_path" needs trainer.resume_from_path=<checkpoint dir>')
+            raise ConfigError('trainer.resume_mode="resume_path" needs trainer.resume_from_path=<checkpoint dir>')
         if self.test_freq == 0 or self.save_freq == 0:
-            raise ValueError("trainer.test_freq / trainer.save_freq must be a positive step count or -1 (off)")
+            raise ConfigError("trainer.test_freq / trainer.save_freq must be a positive step count or -1 (off)")
         if self.critic_warmup < 0:
-            raise ValueError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
+            raise ConfigError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
 
 
 @dataclass
@@ -125,9 +132,9 @@ class DPOConfig:
 
     def __post_init__(self):
         if self.beta <= 0:
-            raise ValueError(f"dpo.beta must be > 0 (got {self.beta})")
+            raise ConfigError(f"dpo.beta must be > 0 (got {self.beta})")
         if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5) (got {self.label_smoothing})")
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5) (got {self.label_smoothing})")
 
 
 @dataclass
@@ -178,13 +185,13 @@ def check_config(cfg: Config) -> None:
         return
     n = arr.rollout.n
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
-        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
                          f"group: set actor_rollout_ref.rollout.n >= 2 (got {n})")
     if cfg.data.train_batch_size < arr.actor.ppo_mini_batch_size:
-        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
                          f"data.train_batch_size={cfg.data.train_batch_size}; lower the mini-batch size")
     if cfg.data.train_batch_size % arr.actor.ppo_mini_batch_size:
-        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
                          f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size}")
     if arr.rollout.response_length not in (None, 0) and arr.rollout.response_length != cfg.data.max_response_length:
         pass  # the trainer copies data lengths into the rollout config (see sync_derived_fields)
@@ -209,12 +216,12 @@ def check_world(cfg: Config, world_size: int) -> None:
     actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
     tp = arr.rollout.tensor_model_parallel_size
     if actor_ranks % tp:
-        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the actor pool "
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the actor pool "
                          f"size {actor_ranks}; set it to a divisor of {actor_ranks}")
     if cfg.trainer.mode != "ppo":
         per = cfg.data.train_batch_size
         if per % world_size:
-            raise ValueError(f"data.train_batch_size={per} must be divisible by the {world_size} ranks; "
+            raise ConfigError(f"data.train_batch_size={per} must be divisible by the {world_size} ranks; "
                              f"set it to a multiple of {world_size}")
         return
     n = arr.rollout.n
@@ -222,24 +229,24 @@ def check_world(cfg: Config, world_size: int) -> None:
                  arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.use_dynamic_bsz)
     rows = cfg.data.train_batch_size * n
     if rows % actor_ranks:
-        raise ValueError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
+        raise ConfigError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
                          f"{actor_ranks} actor ranks; make data.train_batch_size a multiple of {actor_ranks}")
     if cfg.use_critic:
         _check_batch("critic", cfg.critic.ppo_mini_batch_size, n, critic_ranks,
                      cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz)
         if rows % critic_ranks:
-            raise ValueError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
+            raise ConfigError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
                              f"{critic_ranks} critic ranks; make data.train_batch_size a multiple of {critic_ranks}")
 
 
 def _check_batch(section: str, mini: int, n: int, ranks: int, micro: int | None, dynamic: bool) -> None:
     rows = mini * n
     if rows % ranks:
-        raise ValueError(f"{section}.ppo_mini_batch_size x rollout.n = {rows} rows do not split over {ranks} ranks; "
+        raise ConfigError(f"{section}.ppo_mini_batch_size x rollout.n = {rows} rows do not split over {ranks} ranks; "
                          f"make {section}.ppo_mini_batch_size a multiple of {ranks}")
     per_rank = rows // ranks
     if micro is not None and not dynamic and per_rank % micro:
-        raise ValueError(f"{section}: each rank gets {per_rank} rows per mini-batch (ppo_mini_batch_size {mini} x "
+        raise ConfigError(f"{section}: each rank gets {per_rank} rows per mini-batch (ppo_mini_batch_size {mini} x "
                          f"n {n} / {ranks} ranks), not a multiple of ppo_micro_batch_size_per_gpu={micro}; "
                          f"set ppo_micro_batch_size_per_gpu to a divisor of {per_rank}")
 
@@ -249,10 +256,10 @@ def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:
     if cfg.trainer.placement == "colocate":
         return world_size, world_size
     if world_size < 2:
-        raise ValueError('trainer.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
+        raise ConfigError('trainer.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
     actor = cfg.trainer.actor_pool_size or world_size // 2
     if not 0 < actor < world_size:
-        raise ValueError(f"trainer.actor_pool_size={cfg.trainer.actor_pool_size} must leave ranks for the critic "
+        raise ConfigError(f"trainer.actor_pool_size={cfg.trainer.actor_pool_size} must leave ranks for the critic "
                          f"(1..{world_size - 1}) with {world_size} ranks")
     return actor, world_size - actor
 
@@ -261,7 +268,7 @@ def check_model_context(cfg: Config, max_position_embeddings: int) -> None:
     """Prompt + response must fit the model's context window."""
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if total > max_position_embeddings:
-        raise ValueError(f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
                          f"max_position_embeddings={max_position_embeddings}; lower one of them")
 
 
@@ -287,14 +294,14 @@ def _nearest(name: str, choices) -> str:
 def merge_dict(base: Any, values: dict, path: str = "") -> Any:
     """A copy of dataclass `base` with `values` (nested dicts) applied; unknown keys raise ValueError."""
     if not isinstance(values, dict):
-        raise ValueError(f"config section {path or '<root>'} must be a mapping, got {type(values).__name__}")
+        raise ConfigError(f"config section {path or '<root>'} must be a mapping, got {type(values).__name__}")
     hints = typing.get_type_hints(type(base))
     names = [f.name for f in dataclasses.fields(base)]
     changes = {}
     for key, value in values.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ValueError(f"unknown config key {where!r}{_nearest(str(key), names)}; "
+            raise ConfigError(f"unknown config key {where!r}{_nearest(str(key), names)}; "
                              f"valid keys here: {', '.join(names)}")
         current = getattr(base, key)
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
@@ -304,7 +311,7 @@ def merge_dict(base: Any, values: dict, path: str = "") -> Any:
     try:
         return dataclasses.replace(base, **changes)
     except TypeError as e:
-        raise ValueError(f"config section {path or '<root>'}: {e}") from e
+        raise ConfigError(f"config section {path or '<root>'}: {e}") from e
 
 
 def _coerce(value: Any, hint: Any) -> Any:
@@ -331,7 +338,7 @@ def load_yaml(path: str, base: Config | None = None) -> Config:
         with open(path) as f:
             values = yaml.safe_load(f) or {}
     except FileNotFoundError:
-        raise ValueError(f"--config {path}: no such file") from None
+        raise ConfigError(f"--config {path}: no such file") from None
     return merge_dict(base if base is not None else Config(), values)
 
 
@@ -343,7 +350,7 @@ def load_preset(name: str) -> Config:
     from tinyzero.configs import PRESETS
 
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}{_nearest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}")
+        raise ConfigError(f"unknown preset {name!r}{_nearest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]()
 
 
@@ -353,7 +360,7 @@ def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
         a = args[i]
         if a == flag:
             if i + 1 >= len(args):
-                raise ValueError(f"{flag} needs a value")
+                raise ConfigError(f"{flag} needs a value")
             value, i = args[i + 1], i + 2
             continue
         if a.startswith(flag + "="):
@@ -370,6 +377,31 @@ def _normalize_bool(arg: str) -> str:
     if value.lower() in ("true", "false"):
         value = value.capitalize()
     return f"{flag}{eq}{value}" if eq else value if not flag else arg
+
+
+def flag_names(cls: type = None, prefix: str = "") -> list[str]:
+    """Every command-line flag name of the root config ("trainer.total_epochs", ...)."""
+    cls = Config if cls is None else cls
+    names = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        if dataclasses.is_dataclass(hint):
+            names.extend(flag_names(hint, f"{prefix}{f.name}."))
+        else:
+            names.append(f"{prefix}{f.name}")
+    return names
+
+
+def check_flags(args: list[str]) -> None:
+    """An unknown `--section.field` is a ConfigError naming the nearest valid flag."""
+    valid = set(flag_names())
+    for arg in args:
+        if not arg.startswith("--") or arg in ("--help",):
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if name not in valid:
+            raise ConfigError(f"unknown flag --{name}{_nearest(name, valid)}; `train.py --help` lists them all")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -391,6 +423,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         base = load_yaml(config_path, base)
     if mode is not None:
         base = merge_dict(base, {"trainer": {"mode": mode}})
+    check_flags(args)
     args = [_normalize_bool(a) for a in args]
     from tinyzero.configs import PRESETS
 

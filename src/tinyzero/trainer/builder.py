@@ -16,6 +16,7 @@ from typing import Any
 
 from tinyzero.config import (
     Config,
+    ConfigError,
     check_model_context,
     check_world,
     dump_yaml,
@@ -57,7 +58,7 @@ def total_training_steps(cfg: Config, batches_per_epoch: int) -> int:
     if cfg.trainer.total_training_steps is not None:
         total = min(total, cfg.trainer.total_training_steps) if batches_per_epoch else cfg.trainer.total_training_steps
     if total < 1:
-        raise ValueError(f"the run has no steps: {batches_per_epoch} batches per epoch of data.train_batch_size="
+        raise ConfigError(f"the run has no steps: {batches_per_epoch} batches per epoch of data.train_batch_size="
                          f"{cfg.data.train_batch_size}; lower the batch size or add data")
     return total
 
@@ -105,10 +106,10 @@ def prepare_config(cfg: Config, world_size: int) -> None:
     for name, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for path in files:
             if not os.path.exists(path):
-                raise ValueError(f"{name}: {path!r} does not exist; write it first (e.g. "
+                raise ConfigError(f"{name}: {path!r} does not exist; write it first (e.g. "
                                  f"python -m tinyzero.data.preprocess.countdown --out DIR) or fix the path")
     if not cfg.data.train_files:
-        raise ValueError("data.train_files is empty; pass --data.train_files PATH.parquet")
+        raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
 
 
 def build_ppo_trainer(cfg: Config) -> PPOTrainer:

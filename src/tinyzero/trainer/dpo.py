@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyzero.algorithms.losses import POLICY_LOSSES
-from tinyzero.config import Config, check_world, dump_yaml, to_dict
+from tinyzero.config import Config, ConfigError, check_world, dump_yaml, to_dict
 from tinyzero.data import PairwiseDataset, StatefulDataLoader
 from tinyzero.distributed import get_rank, get_world_size
 from tinyzero.models.loading import check_model_path, load_tokenizer
@@ -148,17 +148,17 @@ def check_dpo_config(cfg: Config, world_size: int) -> None:
     actor = cfg.actor_rollout_ref.actor
     pairs = actor.ppo_mini_batch_size
     if cfg.data.train_batch_size % pairs:
-        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
                          f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} (pairs per optimizer step)")
     if pairs % world_size:
-        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} pairs must split over the "
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} pairs must split over the "
                          f"{world_size} ranks; make it a multiple of {world_size}")
     micro = actor.ppo_micro_batch_size_per_gpu
     if micro is not None and micro % 2:
-        raise ValueError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be even for DPO "
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be even for DPO "
                          "(a chosen and a rejected row per pair)")
     if actor.use_dynamic_bsz or actor.shuffle:
-        raise ValueError("DPO keeps chosen/rejected rows adjacent: set actor_rollout_ref.actor.use_dynamic_bsz "
+        raise ConfigError("DPO keeps chosen/rejected rows adjacent: set actor_rollout_ref.actor.use_dynamic_bsz "
                          "and actor_rollout_ref.actor.shuffle to false")
 
 
@@ -170,7 +170,7 @@ def build_dpo_trainer(cfg: Config) -> DPOTrainer:
     arr = cfg.actor_rollout_ref
     check_model_path(arr.model.path)
     if not cfg.data.train_files:
-        raise ValueError("data.train_files is empty; pass --data.train_files PATH.parquet")
+        raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
     # The actor sees rows, two per pair: "rollout.n = 2" makes its mini-batch ppo_mini_batch_size pairs.
     arr.rollout.n = 2
     arr.actor.policy_loss.loss_mode = LOSS_NAME

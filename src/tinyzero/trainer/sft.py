@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 
-from tinyzero.config import Config, check_world, dump_yaml, to_dict
+from tinyzero.config import Config, ConfigError, check_world, dump_yaml, to_dict
 from tinyzero.data import SFTDataset, StatefulDataLoader
 from tinyzero.data.loader import collate_to_dataproto
 from tinyzero.distributed import get_rank, get_world_size
@@ -132,7 +132,7 @@ def build_supervised_trainer(cfg: Config, mode: str, dataset_cls) -> SupervisedT
     arr = cfg.actor_rollout_ref
     check_model_path(arr.model.path)
     if not cfg.data.train_files:
-        raise ValueError("data.train_files is empty; pass --data.train_files PATH.parquet")
+        raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
     tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
     train_ds = dataset_cls(cfg.data.train_files, tokenizer, cfg.data)
     val_ds = dataset_cls(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
