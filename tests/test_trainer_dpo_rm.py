@@ -97,18 +97,23 @@ def prefs(tmp_path_factory):
     return root
 
 
-def _run(mode: str, root, model: str, *extra: str) -> list[dict]:
+def _torchrun(args: list[str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "train.py"), mode, "--preset", mode, f"--data.train_files={root}/train.parquet",
+           os.path.join(ROOT, "train.py"), *args]
+    out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+
+
+def _run(mode: str, root, model: str, *extra: str) -> list[dict]:
+    _torchrun([mode, "--preset", mode, f"--data.train_files={root}/train.parquet",
            f"--data.val_files={root}/test.parquet", f"--actor_rollout_ref.model.path={model}",
-           f"--trainer.default_local_dir={root}/{mode}", "--trainer.plot=false", "--trainer.export_hf=false",
+           f"--trainer.default_local_dir={root}/{mode}", "--trainer.plot=false", f"--trainer.export_hf={mode == 'rm'}",
            "--data.max_length=12", "--data.apply_chat_template=false", "--data.train_batch_size=32",
            "--actor_rollout_ref.model.dtype=fp32", "--actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
            "--actor_rollout_ref.actor.optim.lr=3e-3", "--actor_rollout_ref.actor.optim.warmup_style=constant",
            "--actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0", "--trainer.total_training_steps=16",
-           "--trainer.total_epochs=2", "--trainer.test_freq=16", "--trainer.device=cpu", "--trainer.progress_bar=false", *extra]
-    out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+           "--trainer.total_epochs=2", "--trainer.test_freq=16", "--trainer.device=cpu", "--trainer.progress_bar=false",
+           *extra])
     rows = read_metrics(str(root / mode))
     return [r for r in rows if any(k.startswith("val/") for k in r)]
 
@@ -120,6 +125,18 @@ def test_reward_model_accuracy_rises(prefs, tiny_model_dir):
     assert before["step"] == 0 and after["step"] == 16
     assert after["val/acc"] >= 0.9 and after["val/acc"] > before["val/acc"] + 0.2, (before, after)
     assert after["val/loss"] < before["val/loss"]
+    # The trained RM plugs into PPO as the reward model: its score adds to the rule score.
+    from tinyzero.demo import build_data
+
+    build_data(str(prefs / "rl"))
+    _torchrun(["--preset", "demo_cpu", f"--data.train_files={prefs}/rl/train.parquet", "--data.val_files",
+               f"--actor_rollout_ref.model.path={tiny_model_dir}", f"--trainer.default_local_dir={prefs}/ppo_rm",
+               "--reward_model.enable=true", f"--reward_model.model.path={prefs}/rm/hf_model",
+               "--data.train_batch_size=8", "--actor_rollout_ref.rollout.n=2", "--trainer.total_training_steps=1",
+               "--trainer.plot=false", "--trainer.export_hf=false", "--trainer.val_before_train=false"])
+    row = read_metrics(str(prefs / "ppo_rm"))[-1]
+    assert row["reward/rm_score/mean"] != 0.0
+    assert row["critic/score/mean"] == pytest.approx(row["reward/score_mean"] + row["reward/rm_score/mean"], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -179,12 +179,18 @@ class PPOTrainer:
     def score(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
         """Model reward (if any) + rule rewards -> token_level_scores; KL in reward -> token_level_rewards."""
         with timer("reward", timing):
+            out = self.reward_fn(batch)
+            scores = out.token_level_scores  # (rows, R): the rule score at the last response token
             if self.roles.reward_model is not None:
+                # The learned reward adds to the rule reward (a custom_fn returning 0 gives the RM alone).
                 rm = self.roles.reward_model.compute_rm_score(batch)
                 metrics.update(pop_metrics(rm))
                 batch = batch.union(rm)
-            out = self.reward_fn(batch)
-            batch.batch["token_level_scores"] = out.token_level_scores
+                scores = scores + batch.batch["rm_scores"]
+                metrics["reward/rm_score/mean"] = float(batch.batch["rm_scores"].sum(-1).mean())
+                for sample, value in zip(out.samples, batch.batch["rm_scores"].sum(-1).tolist()):
+                    sample["rm_score"] = value
+            batch.batch["token_level_scores"] = scores
             metrics.update(out.metrics)
             self._log_samples(out.samples, "train")
         if self.config.algorithm.use_kl_in_reward:
