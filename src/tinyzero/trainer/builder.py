@@ -93,8 +93,8 @@ def build_roles(cfg: Config, world_size: int) -> Roles:
                  actor_rollout_dp_size=actor_ranks, rollout_dp_size=actor_ranks // tp)
 
 
-def prepare_config(cfg: Config, world_size: int) -> None:
-    """Start-up checks that need the world size and the model's config; fail before any heavy work."""
+def prepare_config(cfg: Config, world_size: int):
+    """Start-up checks that need the world size and the model's config; returns the model's HF config."""
     sync_derived_fields(cfg)
     check_world(cfg, world_size)
     arr = cfg.actor_rollout_ref
@@ -110,12 +110,13 @@ def prepare_config(cfg: Config, world_size: int) -> None:
                                  f"python -m tinyzero.data.preprocess.countdown --out DIR) or fix the path")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
+    return hf_config
 
 
 def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     """Everything a PPO run needs, on every rank (SPMD), after init_distributed()."""
     world_size = get_world_size()
-    prepare_config(cfg, world_size)
+    hf_config = prepare_config(cfg, world_size)
     arr = cfg.actor_rollout_ref
     tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
     train_ds = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data)
@@ -136,8 +137,10 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     tracker = Tracking(run_dir, cfg.trainer.logger, total_steps=total, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
                        progress_bar=cfg.trainer.progress_bar, enabled=get_rank() == 0)
-    return PPOTrainer(cfg, roles, tokenizer, loader, val_ds, reward_fn, val_reward_fn, tracker, total,
-                      world_size, get_device())
+    trainer = PPOTrainer(cfg, roles, tokenizer, loader, val_ds, reward_fn, val_reward_fn, tracker, total,
+                         world_size, get_device())
+    trainer.hf_config = hf_config
+    return trainer
 
 
 def _data_sources(*datasets) -> list[str]:
@@ -147,9 +150,3 @@ def _data_sources(*datasets) -> list[str]:
             sources.update(ds.data_sources)
     return sorted(sources)
 
-
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank (the driver's draws must agree: SPMD)."""
-    from tinyzero.distributed import set_seed
-
-    set_seed(seed)

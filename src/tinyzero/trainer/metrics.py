@@ -120,6 +120,35 @@ def compute_throughput_metrics(batch: DataProto, timing: dict[str, float], num_r
     return out
 
 
+# Peak dense bf16 TFLOPS by device name (a substring of torch.cuda.get_device_name()).
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                    "A10": 125.0, "L4": 121.0, "4090": 165.0, "3090": 71.0}
+
+
+def model_flops_per_token(hf_config, seq_len: float) -> float:
+    """Training FLOPs per token of a Llama-family decoder: 6 x matmul params + causal attention."""
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    inter = getattr(hf_config, "intermediate_size", 4 * h)
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", heads) * (h // heads)
+    matmul_params = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + hf_config.vocab_size * h
+    return 6.0 * matmul_params + 6.0 * layers * h * seq_len  # attention: 12 L h s, halved by the mask
+
+
+def compute_mfu_metrics(batch: DataProto, timing: dict[str, float], hf_config, num_ranks: int, ppo_epochs: int,
+                        device: torch.device) -> dict[str, float]:
+    """perf/mfu/actor: model FLOPs of the actor update / (its time x the ranks' peak); GPU only."""
+    seconds = timing.get("update_actor", 0.0)
+    if device.type != "cuda" or hf_config is None or seconds <= 0:
+        return {}
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+    if peak is None:
+        return {}
+    tokens = batch.batch["attention_mask"].sum(-1).float()  # (rows,)
+    flops = float(sum(model_flops_per_token(hf_config, float(t)) * float(t) for t in tokens)) * ppo_epochs
+    return {"perf/mfu/actor": flops / (seconds * peak * 1e12 * max(num_ranks, 1))}
+
+
 def max_memory_allocated_gb(device: torch.device) -> float:
     """Peak accelerator memory of this process (0 on CPU, where torch does not track it)."""
     if device.type == "cuda":

@@ -31,6 +31,7 @@ from tinyzero.trainer.checkpoint import (
 )
 from tinyzero.trainer.metrics import (
     compute_data_metrics,
+    compute_mfu_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
     max_memory_allocated_gb,
@@ -83,6 +84,7 @@ class PPOTrainer:
         self.ckpt = CheckpointManager(os.path.join(config.trainer.default_local_dir, "checkpoints"),
                                       keep_last=config.trainer.max_ckpt_to_keep)
         self._batches = None
+        self.hf_config = None  # the policy's HF config (set by the builder): perf/mfu/actor on GPU
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -254,6 +256,8 @@ class PPOTrainer:
         out = compute_data_metrics(batch, use_critic=self.roles.critic is not None)
         out.update(compute_timing_metrics(batch, timing))
         out.update(compute_throughput_metrics(batch, timing, self.world_size))
+        out.update(compute_mfu_metrics(batch, timing, self.hf_config, self.roles.actor_rollout_dp_size,
+                                       self.config.actor_rollout_ref.actor.ppo_epochs, self.device))
         out["perf/max_memory_allocated_gb"] = max_memory_allocated_gb(self.device)
         out["training/global_step"] = float(self.global_step)
         out["training/epoch"] = float(self.train_loader.epoch)
