@@ -17,12 +17,14 @@ from tinyzero.trainer.loggers import read_metrics
 # (panel title, metric names or prefixes ending in "/")
 PANELS = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
-    ("validation score", ("val/test_score/",)),
+    ("validation score / accuracy", ("val/test_score/", "val/test_acc/")),
     ("response length", ("response_length/mean", "response_length/max")),
     ("KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty", "critic/kl")),
     ("entropy", ("actor/entropy",)),
     ("losses", ("actor/pg_loss", "critic/vf_loss", "train/loss", "val/loss")),
-    ("accuracy", ("train/acc", "val/acc")),
+    ("accuracy", ("train/acc", "val/acc", "train/rewards/accuracies", "val/rewards/accuracies")),
+    ("DPO implicit rewards", ("train/rewards/margins", "val/rewards/margins", "train/rewards/chosen",
+                              "train/rewards/rejected")),
     ("throughput (tokens/s/rank)", ("perf/throughput",)),
 )
 
