@@ -110,12 +110,13 @@ class ActorRolloutRefWorker(Worker):
             optimizer = build_optimizer(model.parameters(), cfg.actor.optim)
             scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
             self.actor = PPOActor(cfg.actor, model, optimizer, scheduler, dp_group=self.process_group,
-                                  dp_size=self.world_size)
+                                  dp_size=self.world_size, device=self.device)
             offload_after_init(model, fsdp, optimizer)
         if self._is_ref:
             fsdp = cfg.ref.fsdp_config
             model = self._build_fsdp_model(fsdp, trainable=False)
-            self.ref = PPOActor(cfg.actor, model, dp_group=self.process_group, dp_size=self.world_size)
+            self.ref = PPOActor(cfg.actor, model, dp_group=self.process_group, dp_size=self.world_size,
+                                device=self.device)
             offload_after_init(model, fsdp)
         if self._is_rollout:
             self.rollout = self._build_rollout()

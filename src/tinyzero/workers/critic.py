@@ -33,7 +33,7 @@ class PPOCritic:
     """Values and value-loss updates of one rank's share of the batch."""
 
     def __init__(self, config: CriticConfig, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler=None, dp_group=None, dp_size: int = 1):
+                 lr_scheduler=None, dp_group=None, dp_size: int = 1, device: torch.device | None = None):
         self.config = config
         self.model = model
         self.optimizer = optimizer
@@ -41,7 +41,8 @@ class PPOCritic:
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.num_updates = 0
-        self.device = next(model.parameters()).device
+        # The compute device; parameters may live elsewhere (CPU offload) between and during phases.
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:

@@ -47,7 +47,7 @@ class CriticWorker(Worker):
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         scheduler = build_lr_scheduler(optimizer, cfg.optim)
         self.critic = PPOCritic(cfg, model, optimizer, scheduler, dp_group=self.process_group,
-                                dp_size=self.world_size)
+                                dp_size=self.world_size, device=self.device)
         offload_after_init(model, cfg.fsdp_config, optimizer)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
