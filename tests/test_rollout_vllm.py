@@ -83,6 +83,11 @@ def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1):
         results[f"greedy_equal_{step}"] = torch.equal(v.batch["responses"], n.batch["responses"])
         results[f"mask_equal_{step}"] = torch.equal(v.batch["response_mask"], n.batch["response_mask"])
         results[f"responses_{step}"] = v.batch["responses"].tolist()
+        ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+        with torch.no_grad():
+            ref = trainer.generate(ids, attention_mask=mask, max_new_tokens=RESPONSE_LENGTH, do_sample=False,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+        results[f"hf_equal_{step}"] = torch.equal(v.batch["responses"][:, : ref.shape[1]], ref)
         results[f"greedy_lp_diff_{step}"] = float(
             (v.batch["rollout_log_probs"] - n.batch["rollout_log_probs"]).abs().max())
     if check_logprobs:
@@ -115,6 +120,7 @@ def _check(res):
     for step in (0, 1):
         assert res[f"greedy_equal_{step}"], res
         assert res[f"mask_equal_{step}"], res
+        assert res[f"hf_equal_{step}"], res  # the trainer's own weights, through HF generate
         assert res[f"greedy_lp_diff_{step}"] < 1e-3, res
     # The weight sync changed what the engine generates.
     assert res["responses_0"] != res["responses_1"]
