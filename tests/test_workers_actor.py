@@ -27,8 +27,8 @@ KL_COEF = 0.1
 
 
 def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, max_tokens: int = 64,
-             agg: str = "token-mean"):
-    from tinyzero.models.config import ModelConfig
+             agg: str = "token-mean", fsdp_size: int = -1):
+    from tinyzero.models.config import FSDPConfig, ModelConfig
     from tinyzero.rollout.config import RolloutConfig
     from tinyzero.workers.config import (
         ActorConfig,
@@ -43,7 +43,7 @@ def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, ma
     actor = ActorConfig(ppo_mini_batch_size=NUM_ROWS, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic,
                         ppo_max_token_len_per_gpu=max_tokens, grad_clip=1e4, entropy_coeff=ENTROPY_COEFF,
                         use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl", optim=optim,
-                        loss_agg_mode=agg, **CLIP)
+                        loss_agg_mode=agg, fsdp_config=FSDPConfig(fsdp_size=fsdp_size), **CLIP)
     arr = ActorRolloutRefConfig(model=model, actor=actor, ref=RefConfig(log_prob_micro_batch_size_per_gpu=3),
                                 rollout=RolloutConfig(n=1, prompt_length=7, response_length=6,
                                                       log_prob_micro_batch_size_per_gpu=3))
@@ -180,7 +180,8 @@ def resume_rank_fn(model_dir: str, ckpt_dir: str):
 def runs(tiny_model_dir, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("actor_ckpt"))
     one = run_distributed(actor_rank_fn, 1, tiny_model_dir, [{}], None, timeout=600)[0]
-    variants = [{}, {"micro": 1}, {"micro": 1, "agg": "seq-mean-token-sum-norm"},
+    # fsdp_size=1: hybrid sharding degenerated to pure replication (gradients all-reduced, averaged).
+    variants = [{}, {"micro": 1}, {"micro": 1, "agg": "seq-mean-token-sum-norm"}, {"micro": 2, "fsdp_size": 1},
                 {"dynamic": True, "max_tokens": 20, "checkpoint": True}]
     two = run_distributed(actor_rank_fn, 2, tiny_model_dir, variants, ckpt, timeout=900)[0]
     two[-1]["resume_1_rank"] = run_distributed(resume_rank_fn, 1, tiny_model_dir, ckpt, timeout=600)[0]
