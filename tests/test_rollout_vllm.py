@@ -50,7 +50,25 @@ def _scaled(model, factor: float, seed: int):
     return new
 
 
-def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1):
+def _sync_source(trainer, shard: bool):
+    """The model weights are streamed from: the plain trainer, or an FSDP2-sharded copy of it."""
+    if not shard:
+        return trainer
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = copy.deepcopy(trainer)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    return sharded
+
+
+def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1, shard: bool = False):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,9 +90,10 @@ def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1):
     for step, weights in enumerate([trainer.state_dict(), _scaled(trainer, 6.0, seed=11)]):
         trainer.load_state_dict(weights)
         vllm_engine.wake_up(["weights"])
-        vllm_engine.update_weights(iter_full_params(trainer, bucket_bytes=64 << 10))
+        source = _sync_source(trainer, shard)
+        vllm_engine.update_weights(iter_full_params(source, bucket_bytes=64 << 10))
         vllm_engine.wake_up(["kv_cache"])
-        native.update_weights(iter_full_params(trainer, bucket_bytes=64 << 10))
+        native.update_weights(iter_full_params(source, bucket_bytes=64 << 10))
         greedy = dict(batch.meta_info, do_sample=False, n=1)
         batch.meta_info = greedy
         v = vllm_engine.generate_sequences(batch)
@@ -138,8 +157,9 @@ def test_vllm_matches_native_and_syncs_weights(vllm_tiny_dir):
 
 
 @pytest.mark.slow
-def test_vllm_two_ranks_data_parallel(vllm_tiny_dir):
-    results = run_distributed(_vllm_worker, 2, vllm_tiny_dir, False, timeout=600)
+def test_vllm_two_ranks_data_parallel_fsdp2_source(vllm_tiny_dir):
+    """The hybrid engine: weights streamed from an FSDP2-sharded trainer into each rank's engine."""
+    results = run_distributed(_vllm_worker, 2, vllm_tiny_dir, False, 1, True, timeout=600)
     for res in results:
         _check(res)
     assert results[0]["responses_1"] != results[1]["responses_1"]  # each rank served its own prompts
