@@ -141,7 +141,8 @@ class NativeRollout:
             self.decoder.reset(e - s, ids.shape[1] + params.response_length)
             parts.append(generate(self.decoder, ids[s:e], mask[s:e], pos[s:e], params, generator, sync_every))
         responses, response_mask, log_probs = (torch.cat(x, dim=0) for x in zip(*parts))
-        meta = {"temperature": params.temperature if not params.greedy else 1.0}
+        # The temperature the log-probs were taken at (greedy: none, they are at T = 1), for compute_log_prob.
+        meta = {} if params.greedy else {"temperature": params.temperature}
         out = build_output(ids, mask, pos, responses, response_mask, log_probs, meta_info=meta)
         if self.device.type == "cuda":
             self.memory["peak_generate_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -94,5 +94,6 @@ class VLLMRollout:
         responses, response_mask, log_probs = pad_responses(
             tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids)
         ids, mask, pos = repeat_prompts(prompts, params.n)
-        meta = {"temperature": params.temperature if not params.greedy else 1.0}
+        # The temperature the log-probs were taken at (greedy: none, they are at T = 1), for compute_log_prob.
+        meta = {} if params.greedy else {"temperature": params.temperature}
         return build_output(ids.cpu(), mask.cpu(), pos.cpu(), responses, response_mask, log_probs, meta_info=meta)
