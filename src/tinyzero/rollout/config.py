@@ -66,7 +66,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of device memory the engine may use (weights + KV cache) on GPU."""
     cpu_kv_cache_mb: int = 0
-    """vLLM on CPU: KV-cache size in MiB per rank; 0 sizes it for one full batch of max_num_seqs."""
+    """vLLM on CPU: KV-cache size in MiB per rank; 0 sizes it for max_num_seqs full-length sequences,
+    at most 1 GiB (vLLM preempts and recomputes sequences when it runs out)."""
     tensor_model_parallel_size: int = 1
     """vLLM: ranks per tensor-parallel group (consecutive ranks); data-parallel across groups."""
     enforce_eager: bool = True

@@ -53,7 +53,8 @@ def _kv_cache_bytes(config: RolloutConfig, hf_config, dtype: torch.dtype) -> int
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     want = per_token * config.max_num_seqs * (config.max_model_len + 32)
-    return int(min(max(want, 16 << 20), 4 << 30))
+    # vLLM checks this against the free memory of the rank's NUMA node; stay modest unless told.
+    return int(min(max(want, 16 << 20), 1 << 30))
 
 
 def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dtype, seed: int,
