@@ -27,7 +27,7 @@ KL_COEF = 0.1
 
 
 def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, max_tokens: int = 64,
-             agg: str = "token-mean", fsdp_size: int = -1):
+             agg: str = "token-mean", fsdp_size: int = -1, tis: float = -1.0):
     from tinyzero.models.config import FSDPConfig, ModelConfig
     from tinyzero.rollout.config import RolloutConfig
     from tinyzero.workers.config import (
@@ -43,7 +43,8 @@ def _configs(model_dir: str, micro: int | None = None, dynamic: bool = False, ma
     actor = ActorConfig(ppo_mini_batch_size=NUM_ROWS, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic,
                         ppo_max_token_len_per_gpu=max_tokens, grad_clip=1e4, entropy_coeff=ENTROPY_COEFF,
                         use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl", optim=optim,
-                        loss_agg_mode=agg, fsdp_config=FSDPConfig(fsdp_size=fsdp_size), **CLIP)
+                        loss_agg_mode=agg, fsdp_config=FSDPConfig(fsdp_size=fsdp_size), tis_imp_ratio_cap=tis,
+                        **CLIP)
     arr = ActorRolloutRefConfig(model=model, actor=actor, ref=RefConfig(log_prob_micro_batch_size_per_gpu=3),
                                 rollout=RolloutConfig(n=1, prompt_length=7, response_length=6,
                                                       log_prob_micro_batch_size_per_gpu=3))
@@ -98,6 +99,7 @@ def actor_rank_fn(model_dir: str, variants: list[dict], ckpt_dir: str | None):
         ref_out = ref.compute_ref_log_prob(local)
         local.batch["old_log_probs"] = out.batch["old_log_probs"] + raw["noise_old"][rows]
         local.batch["ref_log_prob"] = ref_out.batch["ref_log_prob"] + raw["noise_ref"][rows]
+        local.batch["rollout_log_probs"] = local.batch["old_log_probs"] + raw["noise_rollout"][rows]
         before = _full_params(actor.actor.model)
         metrics = actor.update_actor(local).meta_info["metrics"]
         res = {"variant": v, "metrics": metrics, "params": _full_params(actor.actor.model), "before": before,
@@ -182,13 +184,14 @@ def runs(tiny_model_dir, tmp_path_factory):
     one = run_distributed(actor_rank_fn, 1, tiny_model_dir, [{}], None, timeout=600)[0]
     # fsdp_size=1: hybrid sharding degenerated to pure replication (gradients all-reduced, averaged).
     variants = [{}, {"micro": 1}, {"micro": 1, "agg": "seq-mean-token-sum-norm"}, {"micro": 2, "fsdp_size": 1},
+                {"micro": 3, "tis": 1.5},
                 {"dynamic": True, "max_tokens": 20, "checkpoint": True}]
     two = run_distributed(actor_rank_fn, 2, tiny_model_dir, variants, ckpt, timeout=900)[0]
     two[-1]["resume_1_rank"] = run_distributed(resume_rank_fn, 1, tiny_model_dir, ckpt, timeout=600)[0]
     return _torch(one), _torch(two)
 
 
-def _reference(model_dir: str, agg: str = "token-mean"):
+def _reference(model_dir: str, agg: str = "token-mean", tis: float = -1.0):
     """float64 single-process reference: loss, grad norm and parameters after one AdamW step."""
     from transformers import AutoModelForCausalLM
 
@@ -199,8 +202,10 @@ def _reference(model_dir: str, agg: str = "token-mean"):
     batch = dict(raw)
     batch["old_log_probs"] = lp + raw["noise_old"]
     batch["ref_log_prob"] = lp + raw["noise_ref"]
+    batch["rollout_log_probs"] = batch["old_log_probs"] + raw["noise_rollout"]
     loss, pg_loss = reference_actor_loss(model, batch, CLIP["clip_ratio_low"], CLIP["clip_ratio_high"],
-                                         CLIP["clip_ratio_c"], ENTROPY_COEFF, KL_COEF, loss_agg_mode=agg)
+                                         CLIP["clip_ratio_c"], ENTROPY_COEFF, KL_COEF, loss_agg_mode=agg,
+                                         tis_cap=tis)
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.01)
@@ -237,9 +242,11 @@ def test_compute_log_prob_matches_hf(runs, tiny_model_dir):
 
 def test_actor_update_matches_reference_under_any_split(runs, tiny_model_dir):
     one, two = runs
-    refs = {agg: _reference(tiny_model_dir, agg) for agg in ("token-mean", "seq-mean-token-sum-norm")}
+    refs = {(agg, tis): _reference(tiny_model_dir, agg, tis)
+            for agg, tis in (("token-mean", -1.0), ("seq-mean-token-sum-norm", -1.0), ("token-mean", 1.5))}
     for res in [one[0], *two]:
-        _, ref_pg, ref_norm, ref_params = refs[res["variant"].get("agg", "token-mean")]
+        v = res["variant"]
+        _, ref_pg, ref_norm, ref_params = refs[(v.get("agg", "token-mean"), v.get("tis", -1.0))]
         m = res["metrics"]
         assert m["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-4), res["variant"]
         assert m["actor/pg_loss"] == pytest.approx(ref_pg, rel=1e-4, abs=1e-6), res["variant"]
@@ -251,7 +258,7 @@ def test_actor_update_matches_reference_under_any_split(runs, tiny_model_dir):
         _assert_params_close(res["params"], ref_params, atol=1e-5)
     base = one[0]
     for res in two:
-        if "agg" in res["variant"]:
+        if "agg" in res["variant"] or "tis" in res["variant"]:
             continue
         for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
                     "actor/kl_loss", "actor/entropy", "actor/grad_norm"):

@@ -33,6 +33,7 @@ def make_batch(num_rows: int = 8, prompt_len: int = 7, response_len: int = 6, vo
         "noise_ref": torch.randn(num_rows, r, generator=g) * 0.2,
         "returns": torch.randn(num_rows, r, generator=g) * response_mask,
         "noise_values": torch.randn(num_rows, r, generator=g) * 0.5,
+        "noise_rollout": torch.randn(num_rows, r, generator=g) * 0.5,
     }
 
 
@@ -60,7 +61,7 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Te
 
 def reference_actor_loss(model, batch: dict, clip_low: float, clip_high: float, clip_c: float,
                          entropy_coeff: float, kl_coef: float, temperature: float = 1.0,
-                         loss_agg_mode: str = "token-mean"):
+                         loss_agg_mode: str = "token-mean", tis_cap: float = -1.0):
     """PPO loss of the whole batch (dual clip, entropy bonus, low_var_kl loss), aggregated by mode."""
     mask = batch["response_mask"]
     logp, entropy = hf_response_log_probs(model, batch, temperature, with_entropy=True)
@@ -72,6 +73,8 @@ def reference_actor_loss(model, batch: dict, clip_low: float, clip_high: float, 
     clipped = torch.maximum(loss1, loss2)
     dual = torch.minimum(-adv * clip_c, clipped)
     pg = torch.where(adv < 0, dual, clipped)
+    if tis_cap > 0:  # truncated importance sampling: weight by min(pi_old / pi_rollout, cap)
+        pg = pg * torch.clamp(torch.exp(old - batch["rollout_log_probs"]), max=tis_cap)
     pg_loss = aggregate(pg, mask, loss_agg_mode)
     ent = aggregate(entropy, mask, loss_agg_mode)
     kl = batch["ref_log_prob"] - logp

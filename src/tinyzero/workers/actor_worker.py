@@ -78,12 +78,9 @@ class ActorRolloutRefWorker(Worker):
         if rows % self.world_size:
             raise ValueError(f"actor.ppo_mini_batch_size * rollout.n = {rows} is not divisible by the "
                              f"{self.world_size} data-parallel ranks; change ppo_mini_batch_size")
-        per_rank = rows // self.world_size
-        mbs = actor.ppo_micro_batch_size_per_gpu
-        if not actor.use_dynamic_bsz and mbs is not None and per_rank % mbs:
-            raise ValueError(f"a rank's mini-batch of {per_rank} rows is not divisible by "
-                             f"actor.ppo_micro_batch_size_per_gpu={mbs}")
-        return per_rank
+        # A micro-batch size that does not divide it is fine: the last micro-batch is shorter and
+        # the loss scaling is exact for any split.
+        return rows // self.world_size
 
     # ------------------------------------------------------------------ init
     def _build_fsdp_model(self, fsdp_config, trainable: bool):

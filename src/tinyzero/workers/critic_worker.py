@@ -27,11 +27,7 @@ class CriticWorker(Worker):
         if rows % self.world_size:
             raise ValueError(f"critic.ppo_mini_batch_size * rollout_n = {rows} is not divisible by the "
                              f"{self.world_size} data-parallel ranks; change critic.ppo_mini_batch_size")
-        self.rows_per_mini_batch = rows // self.world_size
-        mbs = config.ppo_micro_batch_size_per_gpu
-        if not config.use_dynamic_bsz and mbs is not None and self.rows_per_mini_batch % mbs:
-            raise ValueError(f"a rank's critic mini-batch of {self.rows_per_mini_batch} rows is not divisible by "
-                             f"critic.ppo_micro_batch_size_per_gpu={mbs}")
+        self.rows_per_mini_batch = rows // self.world_size  # any micro-batch size works (exact scaling)
         self.critic: PPOCritic | None = None
         self.tokenizer = None
 
