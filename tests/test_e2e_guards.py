@@ -95,14 +95,20 @@ def _comparable(row: dict) -> dict:
 
 
 def test_max_restarts_resume_matches_uninterrupted(setup, tiny_model_dir):
+    """PPO with a critic, a reference and an adaptive in-reward KL: every piece of state must come back."""
+    ppo = ["--algorithm.adv_estimator=gae", "--critic.ppo_mini_batch_size=8", "--critic.optim.lr=1e-3",
+           "--algorithm.use_kl_in_reward=true", "--algorithm.kl_ctrl.type=adaptive",
+           "--algorithm.kl_ctrl.target_kl=0.01", "--algorithm.kl_ctrl.horizon=4", "--algorithm.kl_ctrl.kl_coef=0.05"]
     (setup / "ref.crashed").write_text("")  # the reference run never crashes
-    _ok(launch(setup, "ref", fault="crash", model=tiny_model_dir))
-    out = launch(setup, "restarted", fault="crash", restarts=1, model=tiny_model_dir)
+    _ok(launch(setup, "ref", *ppo, fault="crash", model=tiny_model_dir))
+    out = launch(setup, "restarted", *ppo, fault="crash", restarts=1, model=tiny_model_dir)
     _ok(out)
     assert (setup / "restarted.crashed").exists(), "the fault was never injected"
     assert "resumed from" in out.stdout
     ref, got = read_metrics(str(setup / "ref")), read_metrics(str(setup / "restarted"))
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4]
+    coefs = [r["actor/reward_kl_penalty_coeff"] for r in ref]
+    assert len(set(coefs)) == 4, coefs  # the adaptive coefficient moves every step (state to restore)
     for a, b in zip(ref, got):
         a, b = _comparable(a), _comparable(b)
         assert a.keys() == b.keys()
