@@ -60,19 +60,22 @@ def _val(rows: list[dict]) -> list[float]:
 
 
 def test_grpo_learns(demo_setup):
-    torchrun(_rl_args(demo_setup, "grpo", "--trainer.total_training_steps=30", "--trainer.test_freq=30"))
+    torchrun(_rl_args(demo_setup, "grpo", "--trainer.total_training_steps=15", "--trainer.test_freq=15"))
     val = _val(read_metrics(str(demo_setup / "grpo")))
-    assert val[-1] > val[0] + 0.2, f"validation score did not rise: {val}"
+    print("grpo validation scores:", val)
+    # The warm-up's answers are all wrong (score 0.1 = a number, but wrong); the reward has to fix them.
+    assert val[0] < 0.2 and val[-1] > 0.6, f"validation score did not rise: {val}"
 
 
 def test_ppo_gae_with_critic_learns_split_placement(demo_setup):
     torchrun(_rl_args(demo_setup, "ppo", "--algorithm.adv_estimator=gae", "--actor_rollout_ref.rollout.n=4",
                       "--critic.optim.lr=1e-3", "--critic.ppo_mini_batch_size=8", "--trainer.placement=split",
-                      "--trainer.total_training_steps=30", "--trainer.test_freq=30"))
+                      "--trainer.total_training_steps=20", "--trainer.test_freq=20"))
     rows = read_metrics(str(demo_setup / "ppo"))
     assert all("critic/vf_loss" in r for r in rows[1:])
     val = _val(rows)
-    assert val[-1] > val[0] + 0.1, f"validation score did not rise: {val}"
+    print("ppo validation scores:", val)
+    assert val[-1] > val[0] + 0.3, f"validation score did not rise: {val}"
 
 
 def _comparable(row: dict) -> dict:
