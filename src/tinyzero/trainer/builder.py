@@ -103,10 +103,11 @@ def prepare_config(cfg: Config, world_size: int):
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_pos:
         check_model_context(cfg, int(max_pos))
+    # A missing file is reported by every rank that misses it (nodes may differ), not as a config error.
     for name, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for path in files:
             if not os.path.exists(path):
-                raise ConfigError(f"{name}: {path!r} does not exist; write it first (e.g. "
+                raise ValueError(f"{name}: {path!r} does not exist; write it first (e.g. "
                                  f"python -m tinyzero.data.preprocess.countdown --out DIR) or fix the path")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
