@@ -84,6 +84,11 @@ class RolloutConfig:
     """Weights are gathered from the FSDP2 shards and pushed to the engine in buckets of this size."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Micro-batch size when the rollout worker recomputes log-probs (actor `compute_log_prob`)."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Actor `compute_log_prob`: pack rows into micro-batches by token count (at most
+    log_prob_max_token_len_per_gpu tokens each) instead of log_prob_micro_batch_size_per_gpu rows."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one log-prob micro-batch on one rank when log_prob_use_dynamic_bsz is on."""
     native_impl: str = "auto"
     """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
     Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""
@@ -114,6 +119,8 @@ class RolloutConfig:
             raise ValueError("rollout.weight_sync_bucket_mb must be >= 1")
         if self.log_prob_micro_batch_size_per_gpu < 1:
             raise ValueError("rollout.log_prob_micro_batch_size_per_gpu must be >= 1")
+        if self.log_prob_max_token_len_per_gpu < 1:
+            raise ValueError("rollout.log_prob_max_token_len_per_gpu must be >= 1 (e.g. 16384)")
         if self.native_impl not in NATIVE_IMPLS:
             raise ValueError(f"rollout.native_impl={self.native_impl!r} is not one of {NATIVE_IMPLS}")
 

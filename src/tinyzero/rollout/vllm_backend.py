@@ -25,7 +25,10 @@ Facts this module relies on (0.32.0):
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import weakref
 from typing import Iterable
 
 import torch
@@ -74,7 +77,7 @@ def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dty
         dtype=dtype,
         seed=seed,
         enforce_eager=config.enforce_eager,
-        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
+        max_num_batched_tokens=_batched_tokens(config),
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
         skip_tokenizer_init=True,
@@ -88,7 +91,53 @@ def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dty
                       enable_sleep_mode=config.free_cache_engine)
     else:
         kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(config, hf_config, dtype))
-    return LLM(**kwargs)
+    with _quiet_chat_warmup():
+        llm = LLM(**kwargs)
+    _guard_exit_teardown(llm)
+    return llm
+
+
+def _not_chat_warmup(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "Chat template warmup failed"
+
+
+@contextlib.contextmanager
+def _quiet_chat_warmup():
+    """0.32.0's `LLM.__init__` warms up chat-template rendering even with skip_tokenizer_init=True and
+    logs the resulting "Tokenizer not available" traceback as a warning; the engine only ever gets token
+    ids, so that warning is noise. A filter (not a level: vLLM re-applies its logging config while the
+    engine is built, resetting child loggers' levels) drops that one record."""
+    log = logging.getLogger("vllm.renderers.base")
+    log.addFilter(_not_chat_warmup)
+    try:
+        yield
+    finally:
+        log.removeFilter(_not_chat_warmup)
+
+
+def _batched_tokens(config: RolloutConfig) -> int:
+    """The scheduler's token budget: at least one full sequence, at most max_num_seqs of them (vLLM warns
+    about a budget it can never fill)."""
+    most = config.max_num_seqs * config.max_model_len
+    return max(min(config.max_num_batched_tokens, most), config.max_model_len)
+
+
+def _shutdown_while_world_alive(engine_core) -> None:
+    # At interpreter exit the trainer has usually destroyed the default process group already; vLLM's
+    # teardown would then try to destroy its model-parallel groups and raise "Invalid process group".
+    # The process is ending, so there is nothing left to free.
+    if torch.distributed.is_initialized():
+        engine_core.shutdown()
+
+
+def _guard_exit_teardown(llm) -> None:
+    """Replace the in-process client's garbage-collection finalizer (0.32.0: `InprocClient._finalizer`,
+    calling `EngineCore.shutdown`) by one that skips the teardown once torch.distributed is gone.
+    An explicit `shutdown(llm)` still tears everything down."""
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    if isinstance(finalizer, weakref.finalize) and finalizer.detach() is not None:
+        client._finalizer = weakref.finalize(client, _shutdown_while_world_alive, client.engine_core)
 
 
 def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams,

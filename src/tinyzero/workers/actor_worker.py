@@ -174,18 +174,29 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.sleep()
             if int(getattr(self.config.rollout, "sleep_level", 1)) == 2:
                 self._synced_version = -1  # level-2 sleep discards the engine's weights
-        out.meta_info.setdefault("metrics", {})
-        out.meta_info["metrics"]["perf/max_memory_allocated_gb/rollout"] = peak_memory_gb(self.device)
+        metrics = out.meta_info.setdefault("metrics", {})
+        metrics["perf/max_memory_allocated_gb/rollout"] = peak_memory_gb(self.device)
+        # Device memory after each engine phase (vLLM: init, sync, wake, sleep); empty when not tracked.
+        memory_metrics = getattr(self.rollout, "memory_metrics", None)
+        if memory_metrics is not None:
+            metrics.update(memory_metrics())
         return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shutdown_rollout(self) -> None:
+        """Release the rollout engine; call it before torch.distributed is torn down (vLLM tears down
+        its model-parallel groups here). Safe to call twice."""
+        if self.rollout is not None:
+            self.rollout.shutdown()
+            self.rollout = None
 
     # ------------------------------------------------------------------ log-probs
     def _log_prob_settings(self, data: DataProto):
-        rollout, actor = self.config.rollout, self.config.actor
+        """(temperature, micro-batch size, dynamic batching, token budget) of the actor's log-prob pass."""
+        rollout = self.config.rollout
         temperature = float(data.meta_info.get("temperature", getattr(rollout, "temperature", 1.0)))
-        mbs = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None)
-        dynamic = bool(getattr(rollout, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz))
-        max_tokens = int(getattr(rollout, "log_prob_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu))
-        return temperature, mbs, dynamic, max_tokens
+        return temperature, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz, \
+            rollout.log_prob_max_token_len_per_gpu
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
