@@ -120,12 +120,19 @@ def test_split_and_colocated_placements_both_train(setup, tiny_model_dir):
     """PPO with a critic on one pool (colocated) and on two pools (split): both run with finite, sane metrics."""
     ppo = ["--algorithm.adv_estimator=gae", "--critic.ppo_mini_batch_size=8", "--trainer.total_training_steps=2",
            "--trainer.save_freq=-1"]
+    # Validation with 4 samples per prompt (pass@4 / best@4) after the last step.
+    val = [f"--data.val_files={setup}/data/test.parquet", "--actor_rollout_ref.rollout.val_kwargs.n=4",
+           "--actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+           "--actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
     rows = {}
     for placement in ("colocate", "split"):
-        _ok(launch(setup, placement, *ppo, f"--trainer.placement={placement}", model=tiny_model_dir))
+        _ok(launch(setup, placement, *ppo, *val, f"--trainer.placement={placement}", model=tiny_model_dir))
         rows[placement] = read_metrics(str(setup / placement))
     for placement, got in rows.items():
         assert [r["step"] for r in got] == [1, 2]
+        last = got[-1]
+        assert last["val/test_acc/arithmetic/pass@4"] >= last["val/test_acc/arithmetic"]
+        assert last["val/test_score/arithmetic/best@4"] >= last["val/test_score/arithmetic"]
         for r in got:
             for k in ("critic/vf_loss", "actor/pg_loss", "critic/score/mean", "critic/values/mean"):
                 assert math.isfinite(r[k]), (placement, k, r[k])
