@@ -57,7 +57,10 @@ def test_grpo_with_vllm_rollout(tmp_path):
     build_tiny_model(str(tmp_path / "model"), seed=0, num_heads=2, num_kv_heads=1)
     build_data(str(tmp_path / "data"))
     out = _run(tmp_path, "vllm", "vllm", "--trainer.total_training_steps=3", "--trainer.test_freq=3",
-               "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32")
+               "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32",
+               # the trainer's log-probs in token-budget micro-batches (checked by the bound below)
+               "--actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+               "--actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64")
     _run(tmp_path, "native", "native", "--trainer.val_only=true")
     rows = read_metrics(str(tmp_path / "vllm"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

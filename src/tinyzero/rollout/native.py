@@ -113,7 +113,9 @@ class NativeRollout:
         self.memory["after_wake_up_gb"] = cuda_memory_gb(self.device)
 
     def memory_metrics(self) -> dict[str, float]:
-        """Device memory (GiB allocated) recorded after the last sleep / wake_up / generate."""
+        """Device memory (GiB allocated) recorded after the last sleep / wake_up / generate; {} off GPU."""
+        if self.device.type != "cuda":
+            return {}
         return {f"rollout/mem_{k}": v for k, v in self.memory.items()}
 
     def shutdown(self) -> None:

@@ -72,7 +72,9 @@ class VLLMRollout:
             self.memory[f"after_wake_{'_'.join(tags or ['all'])}_gb"] = cuda_memory_gb(self.device)
 
     def memory_metrics(self) -> dict[str, float]:
-        """Device memory in use (GiB, all allocators) after each phase."""
+        """Device memory in use (GiB, all allocators) after each phase; {} off GPU (nothing is tracked)."""
+        if self.device.type != "cuda":
+            return {}
         return {f"rollout/mem_{k}": v for k, v in self.memory.items()}
 
     def shutdown(self) -> None:
