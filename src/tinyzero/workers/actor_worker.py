@@ -100,6 +100,8 @@ class ActorRolloutRefWorker(Worker):
         from tinyzero.models.loading import load_tokenizer
 
         cfg = self.config
+        if self._is_rollout:
+            self._check_rollout_pool()
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         if self._is_actor:
             fsdp = cfg.actor.fsdp_config
@@ -119,6 +121,19 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = self._build_rollout()
             self.stop_token_ids = self._stop_token_ids()
         self._weights_version += 1
+
+    def _check_rollout_pool(self) -> None:
+        """vLLM (external_launcher) builds its parallel groups over the whole torchrun world, so its
+        engine must live on every rank: a policy pool that is a subset of the world would hang there."""
+        import torch.distributed as dist
+
+        if self.config.rollout.name != "vllm" or not dist.is_initialized():
+            return
+        world = dist.get_world_size()
+        if self.world_size != world:
+            raise ValueError(f"rollout.name='vllm' runs one engine per rank of the whole torchrun world "
+                             f"({world} ranks), but the rollout pool has {self.world_size}; set "
+                             f"trainer.placement=colocate (or rollout.name=native for a split placement)")
 
     def _stop_token_ids(self) -> list[int]:
         """End-of-sequence ids: the generation config's (it may list several) and the tokenizer's."""
