@@ -33,11 +33,11 @@ FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, D); cos, signed_sin: (B, T, D) with signed_sin = cat(-sin[:D/2], sin[D/2:]).
+    """x: (B, heads, T, D); cos, signed_sin: (B, 1, T, D) with signed_sin = cat(-sin[:D/2], sin[D/2:]).
 
     Equals HF's x*cos + rotate_half(x)*sin bit for bit: rotate_half(x) = cat(-x2, x1) and
     roll(x) = cat(x2, x1), and negating a factor or the product is exact."""
-    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,12 +73,16 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: 
                      scale: float) -> torch.Tensor:
     """One query per sequence over the cache, GQA by grouping query heads per kv head.
 
-    q: (B, heads, 1, D); k_t: (B, kv_heads, D, S); v: (B, kv_heads, S, D); bias: (B, 1, S) additive."""
+    q: (B, heads, 1, D); k_t: (B, kv_heads, D, S); v: (B, kv_heads, S, D); bias: (B * kv_heads, 1, S)
+    additive. The scale and the bias ride on the scores matmul (baddbmm), no extra passes over them."""
     B, H, _, D = q.shape
     KV, S = k_t.shape[1], k_t.shape[3]
-    scores = torch.bmm(q.reshape(B * KV, H // KV, D), k_t.reshape(B * KV, D, S)).view(B, H, S)
-    scores = scores.float().mul_(scale).add_(bias)  # (B, heads, S)
-    probs = scores.softmax(dim=-1).to(v.dtype).view(B * KV, H // KV, S)
+    if q.dtype == torch.float32:
+        scores = torch.baddbmm(bias, q.reshape(B * KV, H // KV, D), k_t.reshape(B * KV, D, S), alpha=scale)
+        probs = scores.softmax(dim=-1)  # (B * kv, heads / kv, S)
+    else:  # half precision: scores and softmax in fp32
+        scores = torch.bmm(q.reshape(B * KV, H // KV, D), k_t.reshape(B * KV, D, S))
+        probs = scores.float().mul_(scale).add_(bias).softmax(dim=-1).to(v.dtype)
     return torch.bmm(probs, v.reshape(B * KV, S, D)).view(B, H, 1, D)
 
 
@@ -140,7 +144,9 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.caches: list[KVCache] = []
         self.cos_table = self.sin_table = None  # (max_len, D): rope for every position, built in reset()
-        self.key_bias = None  # (B, P+R) additive decode mask, built in begin()
+        self.key_bias = None  # (B * kv_heads, 1, P+R) additive decode mask, built in begin()
+        self.step_pos = None  # (B, R) decode positions given to begin(); step_cos/step_sin: (R, B, 1, 1, D)
+        self.step_cos = self.step_sin = None
         self.fused: list[dict] = []
         self._fuse()
 
@@ -188,12 +194,34 @@ class FusedDecoder:
         self.caches = []
         self.cos_table = self.sin_table = None
         self.key_bias = None
+        self.step_pos = self.step_cos = self.step_sin = None
         self.fused = []
 
-    def begin(self, key_valid: torch.Tensor) -> None:
-        """Per batch: the additive attention bias (0 for valid slots, -inf for padding), (B, P+R)."""
+    def begin(self, key_valid: torch.Tensor, decode_positions: torch.Tensor | None = None) -> None:
+        """Per batch: the additive attention bias (0 for valid slots, -inf for padding), one row per
+        (sequence, kv head) as decode_attention wants it, (B * kv_heads, 1, P+R); and, given the
+        positions (B, R) the decode steps will be fed (as views `decode_positions[:, t:t+1]`), the
+        rope factors of every step, gathered once instead of per step."""
         bias = torch.zeros(key_valid.shape, dtype=self.embed.weight.dtype, device=key_valid.device)
-        self.key_bias = bias.masked_fill_(~key_valid, float("-inf"))
+        bias.masked_fill_(~key_valid, float("-inf"))
+        self.key_bias = bias.repeat_interleave(self.num_kv_heads, dim=0)[:, None]
+        self.step_pos = self.step_cos = self.step_sin = None
+        if decode_positions is not None and self.cos_table is not None:
+            pos_t = decode_positions.t()  # (R, B)
+            self.step_cos = self.cos_table[pos_t][:, :, None, None]  # (R, B, 1, 1, D)
+            self.step_sin = self.sin_table[pos_t][:, :, None, None]
+            self.step_pos = decode_positions
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin (B, 1, T, D) for position_ids (B, T): the factors begin() gathered when
+        position_ids is the view of a decode step's column of its positions, else a table lookup."""
+        sp = self.step_pos
+        if sp is not None and position_ids.shape[1] == 1 and position_ids.shape[0] == sp.shape[0] \
+                and position_ids.stride() == sp.stride() and position_ids.dtype == sp.dtype:
+            t, rem = divmod(position_ids.data_ptr() - sp.data_ptr(), sp.element_size() * sp.stride(1))
+            if rem == 0 and 0 <= t < sp.shape[1] and position_ids.device == sp.device:
+                return self.step_cos[t], self.step_sin[t]
+        return self.cos_table[position_ids][:, None], self.sin_table[position_ids][:, None]
 
     def _attention(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, mask, start: int):
         B, T, _ = x.shape
@@ -226,12 +254,13 @@ class FusedDecoder:
                  start: int) -> torch.Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position."""
         x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
-        cos, sin = self.cos_table[position_ids], self.sin_table[position_ids]  # (B, T, D) each
+        cos, sin = self._rope(position_ids)  # (B, 1, T, D) each
         if input_ids.shape[1] == 1:
-            if self.key_bias is None or self.key_bias.shape[0] != key_valid.shape[0] \
-                    or self.key_bias.shape[1] < key_valid.shape[1]:
+            kb = self.key_bias
+            if kb is None or kb.shape[0] != key_valid.shape[0] * self.num_kv_heads or kb.shape[2] < key_valid.shape[1]:
                 self.begin(key_valid)
-            mask = self.key_bias[:, None, : key_valid.shape[1]]  # (B, 1, S)
+                kb = self.key_bias
+            mask = kb[..., : key_valid.shape[1]]  # (B * kv_heads, 1, S)
         else:
             mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):

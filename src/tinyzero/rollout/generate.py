@@ -30,8 +30,9 @@ def prefill(decoder: Decoder, prompt_ids: torch.Tensor, prompt_pos: torch.Tensor
 
 def decode_one_token(decoder: Decoder, token: torch.Tensor, pos: torch.Tensor, key_valid: torch.Tensor,
                      slot: int) -> torch.Tensor:
-    """Feed one token per sequence (B,) at cache slot `slot`; logits (B, V) for the next token."""
-    return decoder(token[:, None], pos[:, None], key_valid[:, : slot + 1], slot)
+    """Feed one token per sequence (B,) at position pos (B, 1) and cache slot `slot`; logits (B, V)
+    for the next token."""
+    return decoder(token[:, None], pos, key_valid[:, : slot + 1], slot)
 
 
 @torch.no_grad()
@@ -47,12 +48,16 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     device = prompt_ids.device
     key_valid = torch.ones(B, P + R, dtype=torch.bool, device=device)
     key_valid[:, :P] = prompt_mask.bool()
+    # Position of response token t (fed at decode step t): one past the last prompt position, then +1 a step.
+    step_pos = prompt_pos[:, -1:] + 1 + torch.arange(R, device=device)  # (B, R)
     if hasattr(decoder, "begin"):
-        decoder.begin(key_valid)
-    tokens = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=device)
-    log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
+        decoder.begin(key_valid, step_pos)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    next_pos = prompt_pos[:, -1] + 1  # (B,)
+    check_stop = stop_ids.numel() > 0
+    tok_steps: list[torch.Tensor] = []  # (B,) per step, stacked at the end (no per-step copies)
+    logp_steps: list[torch.Tensor] = []
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)  # rows holding a stop token (checked so far)
+    checked = 0  # steps folded into `stopped`
 
     logits = prefill(decoder, prompt_ids, prompt_pos, key_valid)
     V = logits.shape[-1]
@@ -64,14 +69,22 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             noise = gumbel_noise((min(noise_steps, R - t), B, V), generator, device)
         step_noise = None if noise is None else noise[t % noise_steps]
         tok, logp = sample_from_logits(logits, params, generator, step_noise)
-        tokens[:, t] = tok
-        log_probs[:, t] = logp
+        tok_steps.append(tok)
+        logp_steps.append(logp)
         # Rows past their stop token keep decoding (static batch); they are masked out below.
-        if t == R - 1 or (stop_ids.numel() and (t + 1) % sync_every == 0
-                          and bool(torch.isin(tokens[:, : t + 1], stop_ids).any(dim=1).all())):
-            steps = t + 1
+        if t == R - 1:
             break
-        logits = decode_one_token(decoder, tok, next_pos + t, key_valid, P + t)
+        if check_stop and (t + 1) % sync_every == 0:
+            stopped |= torch.isin(torch.stack(tok_steps[checked:], dim=1), stop_ids).any(dim=1)
+            checked = t + 1
+            if bool(stopped.all()):
+                steps = t + 1
+                break
+        logits = decode_one_token(decoder, tok, step_pos[:, t:t + 1], key_valid, P + t)
+    tokens = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=device)
+    log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
+    tokens[:, :steps] = torch.stack(tok_steps, dim=1)
+    log_probs[:, :steps] = torch.stack(logp_steps, dim=1)
     return finish_responses(tokens, log_probs, stop_ids, steps, params.pad_token_id)
 
 
