@@ -60,37 +60,6 @@ def run(cfg) -> dict:
         trainer.close()
 
 
-def init_restarted_attempt(timeout_s: float = 1800.0) -> None:
-    """Under `torchrun --max-restarts`, give a restarted attempt a store namespace of its own.
-
-    torchrun keeps one rendezvous TCPStore for the whole job, and process-group keys are named by
-    a per-process counter, so a restarted attempt would read the previous attempt's (dead) gloo
-    addresses and fail with "Connection refused". Prefixing the store with the restart count
-    keeps every attempt's keys apart. The first attempt (and plain runs) use init_distributed().
-    """
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from tinyzero.distributed import device_type, get_device
-
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart == 0 or dist.is_initialized() or "MASTER_ADDR" not in os.environ:
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=timeout_s)
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_hosts_store and rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"tinyzero/attempt_{restart}/", store)
-    kind = device_type()
-    if kind == "cuda":
-        torch.cuda.set_device(get_device())
-    backend = "cuda:nccl,cpu:gloo" if kind == "cuda" else "gloo"  # as init_distributed() chooses
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
-
-
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError, parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
@@ -107,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    init_restarted_attempt()
-    init_distributed()  # a no-op when the restart path above initialised the group
+    init_distributed()
     try:
         set_seed(cfg.trainer.seed)
         run(cfg)

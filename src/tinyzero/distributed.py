@@ -78,7 +78,31 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     # gloo for CPU tensors everywhere; on GPU nccl handles cuda tensors and gloo the CPU ones
     # (object collectives, CPU state), as torchtitan does.
     backend = "cuda:nccl,cpu:gloo" if kind == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _restarted_attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def _restarted_attempt_store(timeout: datetime.timedelta):
+    """Under `torchrun --max-restarts`, a store namespace of its own for a restarted attempt (else None).
+
+    torchrun keeps one rendezvous TCPStore for the whole job, and process-group keys are named by a
+    per-process counter, so a restarted attempt would read the previous attempt's (dead) gloo
+    addresses and fail with "Connection refused". Prefixing the store with the restart count keeps
+    every attempt's keys apart.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"tinyzero/attempt_{restart}/", store)
 
 
 def is_distributed() -> bool:
