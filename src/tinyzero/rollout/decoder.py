@@ -33,11 +33,13 @@ FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, D); cos, signed_sin: (B, 1, T, D) with signed_sin = cat(-sin[:D/2], sin[D/2:]).
+    """x: (..., D) with cos, signed_sin broadcastable to it, signed_sin = cat(-sin[:D/2], sin[D/2:]).
 
-    Equals HF's x*cos + rotate_half(x)*sin bit for bit: rotate_half(x) = cat(-x2, x1) and
-    roll(x) = cat(x2, x1), and negating a factor or the product is exact."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    Equals HF's x*cos + rotate_half(x)*sin bit for bit: rotate_half(x) = cat(-x2, x1) and the
+    halves swapped, cat(x2, x1) (one flip of a (2, D/2) view), differ by the sign folded into
+    signed_sin, and negating a factor or the product is exact."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,9 +75,9 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: 
                      scale: float) -> torch.Tensor:
     """One query per sequence over the cache, GQA by grouping query heads per kv head.
 
-    q: (B, heads, 1, D); k_t: (B, kv_heads, D, S); v: (B, kv_heads, S, D); bias: (B * kv_heads, 1, S)
-    additive. The scale and the bias ride on the scores matmul (baddbmm), no extra passes over them."""
-    B, H, _, D = q.shape
+    q: (B, heads, D); k_t: (B, kv_heads, D, S); v: (B, kv_heads, S, D); bias: (B * kv_heads, 1, S)
+    additive -> (B, heads * D). The scale and the bias ride on the scores matmul (baddbmm)."""
+    B, H, D = q.shape
     KV, S = k_t.shape[1], k_t.shape[3]
     if q.dtype == torch.float32:
         scores = torch.baddbmm(bias, q.reshape(B * KV, H // KV, D), k_t.reshape(B * KV, D, S), alpha=scale)
@@ -83,7 +85,7 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: 
     else:  # half precision: scores and softmax in fp32
         scores = torch.bmm(q.reshape(B * KV, H // KV, D), k_t.reshape(B * KV, D, S))
         probs = scores.float().mul_(scale).add_(bias).softmax(dim=-1).to(v.dtype)
-    return torch.bmm(probs, v.reshape(B * KV, S, D)).view(B, H, 1, D)
+    return torch.bmm(probs, v.reshape(B * KV, S, D)).view(B, H * D)
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,7 @@ class FusedDecoder:
         self.caches: list[KVCache] = []
         self.cos_table = self.sin_table = None  # (max_len, D): rope for every position, built in reset()
         self.key_bias = None  # (B * kv_heads, 1, P+R) additive decode mask, built in begin()
-        self.step_pos = None  # (B, R) decode positions given to begin(); step_cos/step_sin: (R, B, 1, 1, D)
+        self.step_pos = None  # (B, R) decode positions given to begin(); step_cos/step_sin: (R, B, 1, D)
         self.step_cos = self.step_sin = None
         self.fused: list[dict] = []
         self._fuse()
@@ -208,12 +210,12 @@ class FusedDecoder:
         self.step_pos = self.step_cos = self.step_sin = None
         if decode_positions is not None and self.cos_table is not None:
             pos_t = decode_positions.t()  # (R, B)
-            self.step_cos = self.cos_table[pos_t][:, :, None, None]  # (R, B, 1, 1, D)
-            self.step_sin = self.sin_table[pos_t][:, :, None, None]
+            self.step_cos = self.cos_table[pos_t][:, :, None]  # (R, B, 1, D)
+            self.step_sin = self.sin_table[pos_t][:, :, None]
             self.step_pos = decode_positions
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed_sin (B, 1, T, D) for position_ids (B, T): the factors begin() gathered when
+        """cos, signed_sin (B, T, D) for position_ids (B, T): the factors begin() gathered when
         position_ids is the view of a decode step's column of its positions, else a table lookup."""
         sp = self.step_pos
         if sp is not None and position_ids.shape[1] == 1 and position_ids.shape[0] == sp.shape[0] \
@@ -221,7 +223,7 @@ class FusedDecoder:
             t, rem = divmod(position_ids.data_ptr() - sp.data_ptr(), sp.element_size() * sp.stride(1))
             if rem == 0 and 0 <= t < sp.shape[1] and position_ids.device == sp.device:
                 return self.step_cos[t], self.step_sin[t]
-        return self.cos_table[position_ids][:, None], self.sin_table[position_ids][:, None]
+        return self.cos_table[position_ids], self.sin_table[position_ids]
 
     def _attention(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, mask, start: int):
         B, T, _ = x.shape
@@ -233,17 +235,30 @@ class FusedDecoder:
                            dim=2)
         else:
             qk = qkv[:, :, :H + KV]
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, H + KV, T, D): q and k heads rotated at once
+        qk = apply_rope(qk.transpose(1, 2), cos[:, None], sin[:, None])  # (B, H + KV, T, D): q and k heads at once
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, :, H + KV:].transpose(1, 2)  # (B, KV, T, D)
         k_t, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv, D, S), (B, kv, S, D)
         scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
-        if T == 1:  # decode: mask is an additive (B, 1, S) bias; batched matmuls beat sdpa's overhead
-            out = decode_attention(q, k_t, v_all, mask, scale)  # (B, heads, 1, D)
-        else:
-            out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
+
+    def _attention_decode(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, bias, slot: int):
+        """One new token per sequence, everything 2-D or 3-D: x (B, hidden); cos, sin (B, 1, D);
+        bias (B * kv_heads, 1, slot + 1). Batched matmuls (decode_attention) beat sdpa's overhead here."""
+        B = x.shape[0]
+        H, KV = self.num_heads, self.num_kv_heads
+        f = self.fused[layer_idx]
+        qkv = F.linear(x, f["qkv_w"], f["qkv_b"]).view(B, H + 2 * KV, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
+            qk = torch.cat([rms_norm(attn.q_norm, qkv[:, :H]), rms_norm(attn.k_norm, qkv[:, H:H + KV])], dim=1)
+        else:
+            qk = qkv[:, :H + KV]
+        qk = apply_rope(qk, cos, sin)  # (B, H + KV, D): q and k heads rotated at once
+        k_t, v_all = self.caches[layer_idx].append(slot, qk[:, H:], qkv[:, H + KV:])
+        scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
+        return _linear(attn.o_proj, decode_attention(qk[:, :H], k_t, v_all, bias, scale))
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.fused[layer_idx]["gate_up_w"]).chunk(2, dim=-1)
@@ -253,16 +268,22 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
                  start: int) -> torch.Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position."""
-        x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
-        cos, sin = self._rope(position_ids)  # (B, 1, T, D) each
-        if input_ids.shape[1] == 1:
+        cos, sin = self._rope(position_ids)  # (B, T, D) each
+        if input_ids.shape[1] == 1:  # decode: (B, hidden) activations, no per-op reshapes
             kb = self.key_bias
             if kb is None or kb.shape[0] != key_valid.shape[0] * self.num_kv_heads or kb.shape[2] < key_valid.shape[1]:
                 self.begin(key_valid)
                 kb = self.key_bias
-            mask = kb[..., : key_valid.shape[1]]  # (B * kv_heads, 1, S)
-        else:
-            mask = attention_mask(key_valid, start, input_ids.shape[1])
+            bias = kb[..., : key_valid.shape[1]]  # (B * kv_heads, 1, S)
+            x = F.embedding(input_ids.view(-1), self.embed.weight)  # (B, hidden)
+            for i, layer in enumerate(self.layers):
+                a = self._attention_decode(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias,
+                                           start)
+                x = x + a
+                x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+            return _linear(self.lm_head, rms_norm(self.norm, x)).float()
+        x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
+        mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, mask, start)
             x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))

@@ -38,3 +38,12 @@ class KVCache(nn.Module):
         self.k_cache[..., start:end] = k.transpose(-1, -2)
         self.v_cache[:, :, start:end] = v
         return self.k_cache[..., :end], self.v_cache[:, :, :end]
+
+    def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step's update: write k, v (batch, kv_heads, head_dim) at `slot`; return the filled
+        prefix as in `update`, S = slot + 1."""
+        if slot >= self.max_len:
+            raise ValueError(f"KV cache overflow: writing slot {slot} of {self.max_len}")
+        self.k_cache[..., slot] = k
+        self.v_cache[:, :, slot] = v
+        return self.k_cache[..., : slot + 1], self.v_cache[:, :, : slot + 1]
