@@ -81,3 +81,39 @@ def test_grpo_with_vllm_rollout(tmp_path):
     assert len(vllm_val) == 25 and vllm_val == native_val
     assert rows[0]["val/test_score/arithmetic"] == read_metrics(str(tmp_path / "native"))[0][
         "val/test_score/arithmetic"]
+
+
+def _engine_keeps_rng(model_dir: str) -> tuple[list[float], list[float]]:
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from tinyzero.rollout import RolloutConfig, build_rollout
+
+    dist.init_process_group("gloo")
+
+    def draws() -> list[float]:
+        return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+    def seed() -> None:
+        random.seed(123)
+        np.random.seed(123)
+        torch.manual_seed(123)
+
+    seed()
+    build_rollout(RolloutConfig(name="vllm", prompt_length=8, response_length=4, cpu_kv_cache_mb=16, seed=0),
+                  model_dir, device="cpu")  # vLLM seeds the global generators with 0 while it starts
+    after_build = draws()
+    seed()
+    return after_build, draws()
+
+
+def test_engine_start_keeps_the_trainers_rng_streams(tmp_path):
+    from tests.dist_utils import run_distributed
+    from tinyzero.models.tiny import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "model"), seed=0, num_heads=2, num_kv_heads=1)
+    ((after_build, reference),) = run_distributed(_engine_keeps_rng, 1, str(tmp_path / "model"), timeout=300)
+    assert after_build == reference  # python, numpy and torch draws as if the engine had not started

@@ -21,6 +21,8 @@ Facts this module relies on (0.32.0):
   head_dim in {32, 64, 80, 96, 112, 128, ...}, and the KV cache is sized explicitly with
   `kv_cache_memory_bytes` (gpu_memory_utilization would be a fraction of host RAM).
 * Parallel sampling (n > 1) with a request seed gives child j the seed `seed + j`.
+* In-process, `LLM(...)` seeds the process's global generators with the engine seed; make_llm
+  restores them (the trainer's streams stay those of trainer.seed).
 """
 
 from __future__ import annotations
@@ -91,10 +93,32 @@ def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dty
                       enable_sleep_mode=config.free_cache_engine)
     else:
         kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(config, hf_config, dtype))
-    with _quiet_chat_warmup():
+    with _quiet_chat_warmup(), _keep_rng_state():
         llm = LLM(**kwargs)
     _guard_exit_teardown(llm)
     return llm
+
+
+@contextlib.contextmanager
+def _keep_rng_state():
+    """0.32.0 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) seeds python's, numpy's and torch's global
+    generators with the engine seed while it starts, which would replace the trainer's streams
+    (set from trainer.seed). The engine needs none of them afterwards (sampling uses per-request
+    seeds, and its dummy init weights are overwritten by the first sync), so put them back."""
+    import random
+
+    import numpy as np
+
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _not_chat_warmup(record: logging.LogRecord) -> bool:
@@ -176,8 +200,23 @@ def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams,
     return tokens, logprobs
 
 
+def _not_rotary_reload(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+def _quiet_rotary_reload() -> None:
+    """0.32.0's layer-wise reload warns "RotaryEmbedding: Failed to load weights" on every sync: the
+    rotary cos/sin cache is a computed buffer with no checkpoint tensor, and reload restores it as is.
+    Drop that one message; the same warning for any other layer (a weight that really did not load)
+    still shows."""
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _not_rotary_reload not in log.filters:
+        log.addFilter(_not_rotary_reload)
+
+
 def sync_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load (hf_name, full tensor) pairs into the engine in place, then drop the stale prefix cache."""
+    _quiet_rotary_reload()
     llm.collective_rpc("reload_weights",
                        kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
     llm.reset_prefix_cache()
@@ -196,6 +235,7 @@ def wake_up(llm, tags: list[str] | None = None) -> None:
 
 
 def shutdown(llm) -> None:
-    """Stop the in-process engine core and its model-parallel groups while torch.distributed is still
-    up (left to garbage collection, vLLM would try to destroy them after the world is gone)."""
+    """Stop the in-process engine core and its model-parallel groups while torch.distributed is still up.
+    0.32.0 then also destroys the default process group (`destroy_distributed_environment`), so this
+    ends the job's torch.distributed; at exit, `_guard_exit_teardown` makes calling it unnecessary."""
     llm.llm_engine.engine_core.shutdown()

@@ -78,7 +78,8 @@ class VLLMRollout:
         return {f"rollout/mem_{k}": v for k, v in self.memory.items()}
 
     def shutdown(self) -> None:
-        """Release the engine before torch.distributed is torn down."""
+        """End the engine; the last call of the job: vLLM's teardown also destroys torch.distributed's
+        default process group. Not needed at exit (the engine is released with the process)."""
         if self.llm is not None:
             vllm_backend.shutdown(self.llm)
             self.llm = None

@@ -197,14 +197,6 @@ class ActorRolloutRefWorker(Worker):
             metrics.update(memory_metrics())
         return out
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def shutdown_rollout(self) -> None:
-        """Release the rollout engine; call it before torch.distributed is torn down (vLLM tears down
-        its model-parallel groups here). Safe to call twice."""
-        if self.rollout is not None:
-            self.rollout.shutdown()
-            self.rollout = None
-
     # ------------------------------------------------------------------ log-probs
     def _log_prob_settings(self, data: DataProto):
         """(temperature, micro-batch size, dynamic batching, token budget) of the actor's log-prob pass."""
