@@ -167,3 +167,19 @@ def test_help_lists_every_flag():
     assert out.returncode == 0, out.stderr
     missing = [name for name in flag_names() if f"--{name}" not in out.stdout]
     assert not missing, missing
+
+
+def test_vllm_rollout_needs_colocated_placement():
+    cfg = merge_dict(Config(), {"trainer": {"placement": "split"},
+                                "actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    with pytest.raises(ValueError, match="placement=colocate"):
+        check_world(cfg, 4)
+
+
+def test_rollout_log_prob_batching_follows_a_dynamic_actor():
+    from tinyzero.config import sync_derived_fields
+
+    cfg = merge_dict(Config(), {"actor_rollout_ref": {"actor": {"use_dynamic_bsz": True,
+                                                                "ppo_max_token_len_per_gpu": 4096}}})
+    rollout = sync_derived_fields(cfg).actor_rollout_ref.rollout
+    assert rollout.log_prob_use_dynamic_bsz and rollout.log_prob_max_token_len_per_gpu == 4096

@@ -176,6 +176,20 @@ def test_same_seed_same_output_and_fresh_calls_differ():
     assert not all(torch.equal(r[2 * i], r[2 * i + 1]) for i in range(3))
 
 
+def test_batch_seed_repeats_per_rank_and_differs_across_ranks():
+    """A trainer-set meta_info seed replays exactly on one DP rank, and other DP ranks get other noise."""
+    model = _random_model(std=0.1)
+    batch = _prompt_batch(4, 6, model.config.vocab_size, meta={"seed": 123})
+    cfg = dict(response_length=12, n=2, seed=7)
+    outs = {}
+    for rank in (0, 0, 1):
+        engine = _engine(model, **cfg)
+        engine.dp_rank = rank
+        outs.setdefault(rank, []).append(engine.generate_sequences(batch).batch["responses"])
+    assert torch.equal(outs[0][0], outs[0][1])
+    assert not torch.equal(outs[0][0], outs[1][0])
+
+
 def test_update_weights_in_place_changes_output():
     old, new = _random_model(seed=0), _random_model(seed=1)
     batch = _prompt_batch(3, 6, old.config.vocab_size)

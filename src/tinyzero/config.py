@@ -203,6 +203,10 @@ def sync_derived_fields(cfg: Config) -> Config:
     arr.rollout.prompt_length = cfg.data.max_prompt_length
     arr.rollout.response_length = cfg.data.max_response_length
     cfg.critic.rollout_n = arr.rollout.n
+    # veRL's default: the rollout's log-prob pass batches like the actor's update unless set apart.
+    if arr.actor.use_dynamic_bsz and not arr.rollout.log_prob_use_dynamic_bsz:
+        arr.rollout.log_prob_use_dynamic_bsz = True
+        arr.rollout.log_prob_max_token_len_per_gpu = arr.actor.ppo_max_token_len_per_gpu
     if not cfg.critic.model.path:
         cfg.critic.model.path = arr.model.path
     if not cfg.critic.model.tokenizer_path:
@@ -215,6 +219,9 @@ def check_world(cfg: Config, world_size: int) -> None:
     arr = cfg.actor_rollout_ref
     actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
     tp = arr.rollout.tensor_model_parallel_size
+    if arr.rollout.name == "vllm" and cfg.trainer.placement != "colocate":
+        raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
+                          "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
     if actor_ranks % tp:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the actor pool "
                          f"size {actor_ranks}; set it to a divisor of {actor_ranks}")

@@ -20,7 +20,7 @@ from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.decoder import build_decoder
 from tinyzero.rollout.generate import generate
-from tinyzero.rollout.outputs import build_output, check_prompt_batch, repeat_prompts
+from tinyzero.rollout.outputs import build_output, call_seed, check_prompt_batch, repeat_prompts
 from tinyzero.rollout.sampling import make_generator, resolve_sampling_params
 
 
@@ -123,14 +123,11 @@ class NativeRollout:
         self.decoder.release()
 
     # ------------------------------------------------------------------ generation
-    def _seed(self) -> int:
-        # A fresh stream per call and DP rank; the same call on the same engine state repeats exactly.
-        return self.config.seed * 1_000_003 + self.num_calls * 7_919 + self.dp_rank
-
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
-        params = resolve_sampling_params(self.config, prompts.meta_info, self._seed())
+        seed = call_seed(self.config.seed, prompts.meta_info, self.num_calls, self.dp_rank)
+        params = resolve_sampling_params(self.config, {**prompts.meta_info, "seed": seed}, seed)
         self.num_calls += 1
         ids, mask, pos = (t.to(self.device) for t in repeat_prompts(prompts, params.n))
         generator = make_generator(self.device, params.seed)

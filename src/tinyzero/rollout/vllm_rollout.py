@@ -24,6 +24,7 @@ from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.native import cuda_memory_gb, resolve_dtype
 from tinyzero.rollout.outputs import (
     build_output,
+    call_seed,
     check_prompt_batch,
     pad_responses,
     raw_prompt_token_ids,
@@ -86,8 +87,8 @@ class VLLMRollout:
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
-        seed = self.config.seed * 1_000_003 + self.num_calls * 7_919 + self.dp_rank * 100_003
-        params = resolve_sampling_params(self.config, prompts.meta_info, seed)
+        seed = call_seed(self.config.seed, prompts.meta_info, self.num_calls, self.dp_rank)
+        params = resolve_sampling_params(self.config, {**prompts.meta_info, "seed": seed}, seed)
         self.num_calls += 1
         if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_truncation:
             warnings.warn("vLLM reports log-probs of the top-k/top-p truncated distribution; the trainer "

@@ -269,7 +269,7 @@ class RewardModelConfig:
     """A learned reward model (`reward_model`): a sequence-classification model from a local path."""
 
     enable: bool = False
-    """Score responses with the reward model (added to rule-based scores by the reward manager)."""
+    """Score responses with the reward model; the trainer adds its score to the rule-based one."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The reward model (AutoModelForSequenceClassification, num_labels=1)."""
     input_tokenizer: str | None = None
@@ -283,8 +283,6 @@ class RewardModelConfig:
     """Pack forward micro-batches by a token budget."""
     forward_max_token_len_per_gpu: int = 32768
     """Token budget of one forward micro-batch when dynamic."""
-    reward_manager: str = "naive"
-    """The reward manager that combines model and rule-based scores."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of the reward model."""
 
