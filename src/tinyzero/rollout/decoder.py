@@ -7,14 +7,16 @@ Two implementations behind one call, `decoder(input_ids, position_ids, key_valid
   q/k/v and gate/up are fused into one matmul each, their HF parameters becoming views into
   the fused buffers (so `update_weights` by HF name still lands in place); rope comes from a
   cos/sin table built once per batch by the HF rotary module (every rope scaling HF knows),
-  applied to q and k heads in one go; a static `KVCache` per layer; prefill attention is
-  `scaled_dot_product_attention`, decode attention two batched matmuls (GQA by grouping
-  query heads per kv head). lm_head runs on the last position only.
+  applied to q and k heads in one go (rope factors of every decode step gathered once per
+  batch); a static `KVCache` per layer; prefill attention is `scaled_dot_product_attention`,
+  decode attention two batched matmuls (GQA by grouping query heads per kv head; scale and
+  padding mask folded into the first, a baddbmm). Decode runs on (B, hidden) activations, so
+  no reshapes or transposes between ops. lm_head runs on the last position only.
 * `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
 Measured on CPU (bench/rollout.py: tiny model, batch 64, 128 new tokens, 1 thread) the fused
-decoder generates 1.6-1.8x faster than driving the HF model with its cache (and 2.2-2.8x faster
-than HF generate), so "auto" picks it whenever the model is of the supported family; greedy
+decoder generates about 2.1x faster than driving the HF model with its cache (and 2.5-2.7x faster
+than HF generate in CPU time), so "auto" picks it whenever the model is of the supported family; greedy
 output of both equals HF generate token for token in fp32 (tests/test_rollout_native.py).
 
 Shapes: B batch, T new tokens, S = start + T filled cache slots, V vocab.
