@@ -63,6 +63,24 @@ def total_training_steps(cfg: Config, batches_per_epoch: int) -> int:
     return total
 
 
+def build_datasets(cfg: Config, tokenizer, dataset_cls):
+    """(train dataset, val dataset or None, the resumable train loader, total steps) of any trainer."""
+    train_ds = dataset_cls(cfg.data.train_files, tokenizer, cfg.data)
+    val_ds = dataset_cls(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    loader = StatefulDataLoader(train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                seed=cfg.data.seed, drop_last=cfg.data.drop_last)
+    return train_ds, val_ds, loader, total_training_steps(cfg, len(loader))
+
+
+def write_run_config(cfg: Config) -> str:
+    """Create the run folder and write the resolved config.yaml (rank 0); returns the folder."""
+    run_dir = cfg.trainer.default_local_dir
+    if get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    return run_dir
+
+
 def build_roles(cfg: Config, world_size: int) -> Roles:
     """Create the pools and worker groups and initialise their models (critic and RM first, policy last)."""
     actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
@@ -120,20 +138,13 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     hf_config = prepare_config(cfg, world_size)
     arr = cfg.actor_rollout_ref
     tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
-    train_ds = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data)
-    val_ds = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
-    loader = StatefulDataLoader(train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                seed=cfg.data.seed, drop_last=cfg.data.drop_last)
-    total = total_training_steps(cfg, len(loader))
+    train_ds, val_ds, loader, total = build_datasets(cfg, tokenizer, RLHFDataset)
     for optim in (arr.actor.optim, cfg.critic.optim):
         optim.total_training_steps = total
     reward_fn = RewardManager(tokenizer, cfg.reward)
     reward_fn.check_data_sources(_data_sources(train_ds, val_ds))
     val_reward_fn = RewardManager(tokenizer, cfg.reward)
-    run_dir = cfg.trainer.default_local_dir
-    if get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    run_dir = write_run_config(cfg)
     roles = build_roles(cfg, world_size)
     tracker = Tracking(run_dir, cfg.trainer.logger, total_steps=total, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, config=to_dict(cfg),

@@ -27,14 +27,12 @@ with rewards = beta * (log pi - log ref) summed over the response.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from tinyzero.algorithms.losses import POLICY_LOSSES
-from tinyzero.config import Config, ConfigError, check_world, dump_yaml, to_dict
-from tinyzero.data import PairwiseDataset, StatefulDataLoader
+from tinyzero.config import Config, ConfigError, check_world, to_dict
+from tinyzero.data import PairwiseDataset
 from tinyzero.distributed import get_rank, get_world_size
 from tinyzero.models.loading import check_model_path, load_tokenizer
 from tinyzero.protocol import DataProto
@@ -44,7 +42,7 @@ from tinyzero.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
-from tinyzero.trainer.builder import total_training_steps
+from tinyzero.trainer.builder import build_datasets, write_run_config
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.ppo import pop_metrics
 from tinyzero.trainer.sft import SupervisedTrainer
@@ -181,16 +179,9 @@ def build_dpo_trainer(cfg: Config) -> DPOTrainer:
     POLICY_LOSSES[LOSS_NAME] = make_dpo_policy_loss(cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.loss_type)
 
     tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
-    train_ds = PairwiseDataset(cfg.data.train_files, tokenizer, cfg.data)
-    val_ds = PairwiseDataset(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
-    loader = StatefulDataLoader(train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                seed=cfg.data.seed, drop_last=cfg.data.drop_last)
-    total = total_training_steps(cfg, len(loader))
+    _, val_ds, loader, total = build_datasets(cfg, tokenizer, PairwiseDataset)
     arr.actor.optim.total_training_steps = total
-    run_dir = cfg.trainer.default_local_dir
-    if get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    run_dir = write_run_config(cfg)
     classes = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, "actor"),
                "ref": ClassWithInitArgs(ActorRolloutRefWorker, arr, "ref")}
     pool = ResourcePool(ranks=list(range(world_size)))

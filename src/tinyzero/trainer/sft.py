@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import os
 
-from tinyzero.config import Config, ConfigError, check_world, dump_yaml, to_dict
-from tinyzero.data import SFTDataset, StatefulDataLoader
+from tinyzero.config import Config, ConfigError, check_world, to_dict
+from tinyzero.data import SFTDataset
 from tinyzero.data.loader import collate_to_dataproto
 from tinyzero.distributed import get_rank, get_world_size
 from tinyzero.models.loading import check_model_path, load_tokenizer
 from tinyzero.single_controller import ClassWithInitArgs, ResourcePool, WorkerGroup
-from tinyzero.trainer.builder import total_training_steps
+from tinyzero.trainer.builder import build_datasets, write_run_config
 from tinyzero.trainer.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.metrics import timer
@@ -134,16 +134,9 @@ def build_supervised_trainer(cfg: Config, mode: str, dataset_cls) -> SupervisedT
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
     tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
-    train_ds = dataset_cls(cfg.data.train_files, tokenizer, cfg.data)
-    val_ds = dataset_cls(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
-    loader = StatefulDataLoader(train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                seed=cfg.data.seed, drop_last=cfg.data.drop_last)
-    total = total_training_steps(cfg, len(loader))
+    _, val_ds, loader, total = build_datasets(cfg, tokenizer, dataset_cls)
     arr.actor.optim.total_training_steps = total
-    run_dir = cfg.trainer.default_local_dir
-    if get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    run_dir = write_run_config(cfg)
     wg = WorkerGroup(resource_pool=ResourcePool(ranks=list(range(world_size))),
                      cls_with_init=ClassWithInitArgs(SupervisedWorker, arr, mode))
     wg.init_model()
