@@ -92,6 +92,13 @@ class RolloutConfig:
     native_impl: str = "auto"
     """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
     Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""
+    native_compile: bool = False
+    """Native engine, fused decoder: torch.compile the decode step (dynamic shapes, so new batch sizes
+    and cache lengths reuse the graph). Costs a one-off compile of ~15-20 s per process (first
+    generate call; a compile failure warns once and decodes eagerly) and cuts each decode step by
+    ~20% on CPU; pays off once a process generates more than ~a minute of tokens (RL training runs),
+    not for short tests or one-off evaluations. Greedy output is unchanged; sampled tokens use the
+    same noise, but compiled logits may differ in the last bits, which can flip a rare near-tie."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
 

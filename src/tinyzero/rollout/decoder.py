@@ -19,11 +19,18 @@ decoder generates about 2.1x faster than driving the HF model with its cache (an
 than HF generate in CPU time), so "auto" picks it whenever the model is of the supported family; greedy
 output of both equals HF generate token for token in fp32 (tests/test_rollout_native.py).
 
+With rollout.native_compile the fused decode step (`FusedDecoder.decode_step`: every layer plus
+lm_head for one token per row) runs under torch.compile (fullgraph; batch size and cache length
+marked dynamic, so one graph serves every batch and step); a compile failure warns once and the
+engine decodes eagerly. Prefill always runs eagerly (once per batch).
+
 Shapes: B batch, T new tokens, S = start + T filled cache slots, V vocab.
 key_valid (B, S) bool marks the slots that hold real tokens (left padding is False).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +138,7 @@ def fused_supported(model: nn.Module) -> str | None:
 class FusedDecoder:
     """Static-KV-cache forward over the weights of a Llama-family HF model (see module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compile: bool = False):
         reason = fused_supported(model)
         if reason is not None:
             raise ValueError(f"fused decoder unavailable: {reason}; set rollout.native_impl='hf'")
@@ -153,6 +160,9 @@ class FusedDecoder:
         self.step_cos = self.step_sin = None
         self.fused: list[dict] = []
         self._fuse()
+        # Batch size, cache length and slot are marked dynamic per call (_run_decode), so one compiled
+        # graph serves every batch and step (no recompiles as the cache fills or a last chunk is smaller).
+        self._compiled = torch.compile(self.decode_step, fullgraph=True) if compile else None
 
     def _fuse(self) -> None:
         """Fuse q/k/v and gate/up of every layer (again after a device move broke the sharing)."""
@@ -246,11 +256,14 @@ class FusedDecoder:
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
 
-    def _attention_decode(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, bias, slot: int):
+    def _attention_decode(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, bias,
+                          kv: tuple[torch.Tensor, torch.Tensor]):
         """One new token per sequence, everything 2-D or 3-D: x (B, hidden); cos, sin (B, 1, D);
-        bias (B * kv_heads, 1, slot + 1). Batched matmuls (decode_attention) beat sdpa's overhead here."""
+        bias (B * kv_heads, 1, S) with S = slot + 1; kv this layer's cache tensors (KVCache layout).
+        Batched matmuls (decode_attention) beat sdpa's overhead here."""
         B = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
+        slot = bias.shape[-1] - 1  # a shape, so a compiled step sees it as a symbolic size
         f = self.fused[layer_idx]
         qkv = F.linear(x, f["qkv_w"], f["qkv_b"]).view(B, H + 2 * KV, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
@@ -258,13 +271,49 @@ class FusedDecoder:
         else:
             qk = qkv[:, :H + KV]
         qk = apply_rope(qk, cos, sin)  # (B, H + KV, D): q and k heads rotated at once
-        k_t, v_all = self.caches[layer_idx].append(slot, qk[:, H:], qkv[:, H + KV:])
+        k_cache, v_cache = kv  # KVCache.append, inlined on the tensors (they are graph inputs when compiled)
+        k_cache.select(3, slot).copy_(qk[:, H:])  # select+copy_: a symbolic slot is not specialized
+        v_cache.select(2, slot).copy_(qkv[:, H + KV:])
+        k_t, v_all = k_cache[..., : slot + 1], v_cache[:, :, : slot + 1]
         scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
         return _linear(attn.o_proj, decode_attention(qk[:, :H], k_t, v_all, bias, scale))
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.fused[layer_idx]["gate_up_w"]).chunk(2, dim=-1)
         return _linear(mlp.down_proj, mlp.act_fn(gate) * up)
+
+    def decode_step(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
+                    kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The whole decode step as one function (what `compile=True` hands to torch.compile):
+        token (B,), cos / sin (B, 1, D), bias (B * kv_heads, 1, slot + 1), kv the (k_cache, v_cache)
+        tensors of every layer -> logits (B, V) fp32; writes this step's keys and values at `slot`."""
+        x = F.embedding(token, self.embed.weight)  # (B, hidden)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention_decode(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias,
+                                           kv[i])
+            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+        return _linear(self.lm_head, rms_norm(self.norm, x)).float()
+
+    def _run_decode(self, token, cos, sin, bias) -> torch.Tensor:
+        """decode_step, compiled when asked; a compile failure warns once and the step runs eagerly
+        from then on (the failed call is redone eagerly: it rewrites the same cache slot)."""
+        if bias.shape[-1] > self.caches[0].max_len:
+            raise ValueError(f"KV cache overflow: writing slot {bias.shape[-1] - 1} of {self.caches[0].max_len}")
+        kv = [(c.k_cache, c.v_cache) for c in self.caches]
+        if self._compiled is None:
+            return self.decode_step(token, cos, sin, bias, kv)
+        if token.shape[0] > 1:  # batch and cache length symbolic: one graph for every batch and step
+            for t in (token, cos, sin, bias):
+                torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(bias, 2)
+        try:
+            return self._compiled(token, cos, sin, bias, kv)
+        except Exception as exc:  # noqa: BLE001 -- any compiler failure falls back to eager
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            warnings.warn(f"rollout.native_compile: torch.compile of the decode step failed ({type(exc).__name__}: "
+                          f"{first}); decoding eagerly", stacklevel=2)
+            self._compiled = None
+            return self.decode_step(token, cos, sin, bias, kv)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
@@ -277,13 +326,7 @@ class FusedDecoder:
                 self.begin(key_valid)
                 kb = self.key_bias
             bias = kb[..., : key_valid.shape[1]]  # (B * kv_heads, 1, S)
-            x = F.embedding(input_ids.view(-1), self.embed.weight)  # (B, hidden)
-            for i, layer in enumerate(self.layers):
-                a = self._attention_decode(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias,
-                                           start)
-                x = x + a
-                x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
-            return _linear(self.lm_head, rms_norm(self.norm, x)).float()
+            return self._run_decode(input_ids.view(-1), cos, sin, bias)
         x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
         mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):
@@ -316,8 +359,9 @@ class HFDecoder:
         return out.logits[:, -1].float()
 
 
-def build_decoder(model: nn.Module, impl: str = "auto"):
-    """"fused", "hf", or "auto" (fused when the model family is supported)."""
+def build_decoder(model: nn.Module, impl: str = "auto", compile: bool = False):
+    """"fused", "hf", or "auto" (fused when the model family is supported). `compile` compiles the
+    fused decoder's decode step (the HF decoder always runs eagerly)."""
     if impl == "hf" or (impl == "auto" and fused_supported(model) is not None):
         return HFDecoder(model)
-    return FusedDecoder(model)
+    return FusedDecoder(model, compile=compile)

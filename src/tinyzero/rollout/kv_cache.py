@@ -24,6 +24,12 @@ class KVCache(nn.Module):
         v_shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(k_shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(v_shape, dtype=dtype, device=device), persistent=False)
+        if batch_size > 1:  # a compiled decode step treats batch and length as symbolic (no-op in eager)
+            torch._dynamo.mark_dynamic(self.k_cache, 0)
+            torch._dynamo.mark_dynamic(self.v_cache, 0)
+        if max_len > 1:
+            torch._dynamo.mark_dynamic(self.k_cache, 3)
+            torch._dynamo.mark_dynamic(self.v_cache, 2)
 
     @property
     def max_len(self) -> int:

@@ -68,7 +68,7 @@ class NativeRollout:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = build_inference_model(hf_config, self.device, self.dtype, model_path, trust_remote_code)
-        self.decoder = build_decoder(self.model, config.native_impl)
+        self.decoder = build_decoder(self.model, config.native_impl, compile=config.native_compile)
         self.dp_rank = dp_rank
         self.num_calls = 0
         self.memory: dict[str, float] = {}
