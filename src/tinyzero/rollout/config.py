@@ -93,12 +93,15 @@ class RolloutConfig:
     """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
     Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""
     native_compile: bool = False
-    """Native engine, fused decoder: torch.compile the decode step (dynamic shapes, so new batch sizes
-    and cache lengths reuse the graph). Costs a one-off compile of ~15-20 s per process (first
-    generate call; a compile failure warns once and decodes eagerly) and cuts each decode step by
-    ~20% on CPU; pays off once a process generates more than ~a minute of tokens (RL training runs),
-    not for short tests or one-off evaluations. Greedy output is unchanged; sampled tokens use the
-    same noise, but compiled logits may differ in the last bits, which can flip a rare near-tie."""
+    """Native engine, fused decoder: torch.compile the decode step (fullgraph; batch size and cache
+    length dynamic, so new batch sizes and lengths reuse the graph). Costs one compile per process on
+    the first generate call, ~16 s on CPU for the tiny model (about half that when torch's on-disk
+    compile cache is warm); a compile failure warns once and the engine decodes eagerly. Cuts each
+    decode step by ~20% on CPU (bench/rollout.py: 2.5x -> 3.0x HF generate), so it pays off once a
+    process spends more than ~1.5 minutes decoding (RL training runs), not in short tests or one-off
+    evaluations. Greedy output is unchanged (== HF generate); sampling draws the same noise, so the same
+    seed gives the same tokens unless compiled logits, which may differ from eager in the last bits,
+    flip a near-tie."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
 

@@ -22,7 +22,8 @@ output of both equals HF generate token for token in fp32 (tests/test_rollout_na
 With rollout.native_compile the fused decode step (`FusedDecoder.decode_step`: every layer plus
 lm_head for one token per row) runs under torch.compile (fullgraph; batch size and cache length
 marked dynamic, so one graph serves every batch and step); a compile failure warns once and the
-engine decodes eagerly. Prefill always runs eagerly (once per batch).
+engine decodes eagerly. Prefill always runs eagerly (once per batch). On CPU (same bench) that
+cuts a decode step by ~20% (3.0x HF generate) after a one-off compile of ~16 s per process.
 
 Shapes: B batch, T new tokens, S = start + T filled cache slots, V vocab.
 key_valid (B, S) bool marks the slots that hold real tokens (left padding is False).
