@@ -60,7 +60,10 @@ def test_grpo_with_vllm_rollout(tmp_path):
                "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32",
                # the trainer's log-probs in token-budget micro-batches (checked by the bound below)
                "--actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-               "--actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64")
+               "--actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
+               # The random model's samples may all score alike (zero GRPO advantages); the entropy
+               # bonus keeps the actor moving every step, so every rollout after step 1 needs a sync.
+               "--actor_rollout_ref.actor.entropy_coeff=0.01")
     _run(tmp_path, "native", "native", "--trainer.val_only=true")
     rows = read_metrics(str(tmp_path / "vllm"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -71,8 +74,8 @@ def test_grpo_with_vllm_rollout(tmp_path):
         assert r["training/rollout_probs_diff_max"] < LOG_PROB_TOL, r
         assert math.isfinite(r["actor/pg_loss"]), r
         assert r["response_length/mean"] > 0
-    # The actor moved after step 1, so steps 2 and 3 sampled from freshly synced weights.
-    assert rows[1]["actor/grad_norm"] > 0
+    # The actor moved at steps 1 and 2, so steps 2 and 3 sampled from freshly synced weights.
+    assert rows[1]["actor/grad_norm"] > 0 and rows[2]["actor/grad_norm"] > 0
     # The engines are shut down while the process group is alive (or not torn down after it is gone).
     log = out.stdout + out.stderr  # vLLM logs to stdout
     assert "Traceback" not in log and "Invalid process group" not in log, log[-3000:]
