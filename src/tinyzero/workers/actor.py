@@ -12,11 +12,10 @@ optimizer steps of the call.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tinyzero.protocol import DataProto
 from tinyzero.workers.batching import make_micro_batches, restore_order
-from tinyzero.workers.common import reshard
+from tinyzero.workers.common import TrainedModel, reshard
 from tinyzero.workers.config import ActorConfig
 from tinyzero.workers.forward import response_log_probs
 from tinyzero.workers.update import (
@@ -33,20 +32,10 @@ _STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_c
 _STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss")
 
 
-class PPOActor:
+class PPOActor(TrainedModel):
     """Log-probs and PPO updates of one rank's share of the batch."""
 
-    def __init__(self, config: ActorConfig, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler=None, dp_group=None, dp_size: int = 1, device: torch.device | None = None):
-        self.config = config
-        self.model = model
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_group = dp_group
-        self.dp_size = dp_size
-        self.num_updates = 0
-        # The compute device; parameters may live elsewhere (CPU offload) between and during phases.
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+    config: ActorConfig
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -120,8 +109,7 @@ class PPOActor:
             raise ValueError(f"update_actor: batch lacks {missing} (use_kl_loss needs ref_log_prob; "
                              f"tis_imp_ratio_cap > 0 needs rollout_log_probs)")
         data = data.select(batch_keys=self._batch_keys())
-        # The optimizer's parameters are the sharded ones (model.parameters() may list gathered copies).
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self.optimizer_params()
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for epoch in range(cfg.ppo_epochs):

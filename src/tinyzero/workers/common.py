@@ -97,3 +97,24 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return 0.0
+
+
+class TrainedModel:
+    """What the actor and the critic share: one rank's FSDP2 model, its optimizer and lr schedule,
+    and the data-parallel group its losses are scaled over."""
+
+    def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler=None, dp_group=None, dp_size: int = 1, device: torch.device | None = None):
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.num_updates = 0
+        # The compute device; parameters may live elsewhere (CPU offload) between and during phases.
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        """The optimizer's (sharded) parameters; model.parameters() may list gathered copies after a forward."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]

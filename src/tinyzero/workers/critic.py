@@ -9,11 +9,10 @@ the actor (tinyzero.workers.scaling).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tinyzero.protocol import DataProto
 from tinyzero.workers.batching import make_micro_batches, restore_order
-from tinyzero.workers.common import reshard
+from tinyzero.workers.common import TrainedModel, reshard
 from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.forward import response_values
 from tinyzero.workers.update import (
@@ -29,20 +28,10 @@ _STAT_KINDS = ("loss", "token", "token")
 _FORWARD_KEYS = ["responses", "input_ids", "attention_mask", "position_ids"]
 
 
-class PPOCritic:
+class PPOCritic(TrainedModel):
     """Values and value-loss updates of one rank's share of the batch."""
 
-    def __init__(self, config: CriticConfig, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler=None, dp_group=None, dp_size: int = 1, device: torch.device | None = None):
-        self.config = config
-        self.model = model
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_group = dp_group
-        self.dp_size = dp_size
-        self.num_updates = 0
-        # The compute device; parameters may live elsewhere (CPU offload) between and during phases.
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+    config: CriticConfig
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:
@@ -87,8 +76,7 @@ class PPOCritic:
             raise ValueError(f"update_critic: batch lacks {missing} (compute_values and compute_advantage "
                              f"must run first)")
         data = data.select(batch_keys=keys)
-        # The optimizer's parameters are the sharded ones (model.parameters() may list gathered copies).
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self.optimizer_params()
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
         grad_norms = []
         for epoch in range(cfg.ppo_epochs):
