@@ -31,7 +31,9 @@ key_valid (B, S) bool marks the slots that hold real tokens (left padding is Fal
 
 from __future__ import annotations
 
+import functools
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +48,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     """x: (..., D) with cos, signed_sin broadcastable to it, signed_sin = cat(-sin[:D/2], sin[D/2:]).
 
     Equals HF's x*cos + rotate_half(x)*sin bit for bit: rotate_half(x) = cat(-x2, x1) and the
-    halves swapped, cat(x2, x1) (one flip of a (2, D/2) view), differ by the sign folded into
+    halves swapped, cat(x2, x1) (a roll by D/2, one gather), differ by the sign folded into
     signed_sin, and negating a factor or the product is exact."""
-    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
-    return x * cos + swapped * signed_sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,6 +106,19 @@ def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _weight_t(module: nn.Module) -> torch.Tensor | None:
+    """The (in, out) view of a bias-free nn.Linear's weight for torch.mm (what F.linear runs on 2-D
+    input, minus its dispatch and transpose per call); None for anything else (called as a module)."""
+    if type(module) is nn.Linear and module.bias is None:
+        return module.weight.t()
+    return None
+
+
+def _mm(x: torch.Tensor, weight_t: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
+    """module(x) for 2-D x: torch.mm on the transposed view when `_weight_t` gave one."""
+    return torch.mm(x, weight_t) if weight_t is not None else _linear(module, x)
+
+
 def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """HF's Llama-family RMSNorm, op for op (so bit-identical), minus the module-call overhead."""
     eps = getattr(module, "variance_epsilon", None)
@@ -116,6 +130,21 @@ def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return module.weight * h.to(x.dtype)
+
+
+def norm_fn(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`rms_norm(module, .)` for the decode step, resolved once per batch: for an fp32 weight the
+    fused op bound to it (the decode activations share the weights' dtype), else the general path."""
+    eps = getattr(module, "variance_epsilon", None)
+    weight = getattr(module, "weight", None)
+    if eps is not None and weight is not None and weight.dtype == torch.float32:
+        return functools.partial(torch.rms_norm, normalized_shape=(weight.shape[-1],), weight=weight, eps=eps)
+    return functools.partial(rms_norm, module)
+
+
+def act_fn(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP activation as a plain function where it is SiLU (no module call per step)."""
+    return F.silu if type(module).__name__ in ("SiLU", "SiLUActivation") else module
 
 
 def fused_supported(model: nn.Module) -> str | None:
@@ -166,17 +195,31 @@ class FusedDecoder:
         self._compiled = torch.compile(self.decode_step, fullgraph=True) if compile else None
 
     def _fuse(self) -> None:
-        """Fuse q/k/v and gate/up of every layer (again after a device move broke the sharing)."""
+        """Fuse q/k/v and gate/up of every layer (again after a device move broke the sharing), and
+        note per layer what the decode step reads: (in, out) weight views for torch.mm / addmm (the
+        ops F.linear runs on 2-D input), the Qwen3 q/k norms and the attention scale."""
         self.fused = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             qkv_w, qkv_b = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
             gate_up_w, _ = fuse_linears([m.gate_proj, m.up_proj])
-            self.fused.append({"qkv_w": qkv_w, "qkv_b": qkv_b, "gate_up_w": gate_up_w})
+            self.fused.append({
+                "qkv_w": qkv_w, "qkv_b": qkv_b, "gate_up_w": gate_up_w,
+                "qkv_wt": qkv_w.t(), "gate_up_wt": gate_up_w.t(),
+                "o_wt": _weight_t(a.o_proj), "down_wt": _weight_t(m.down_proj),
+                "qk_norm": (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None,
+                "scale": getattr(a, "scaling", None) or self.head_dim**-0.5,
+                # Modules the decode step calls, looked up once (nn.Module attribute access is slow).
+                "input_norm": norm_fn(layer.input_layernorm), "post_norm": norm_fn(layer.post_attention_layernorm),
+                "act": act_fn(m.act_fn), "o_proj": a.o_proj, "down_proj": m.down_proj,
+            })
+        self.final_norm = norm_fn(self.norm)
+        self.lm_head_wt = _weight_t(self.lm_head)
 
     def _fusion_intact(self) -> bool:
         if len(self.fused) != len(self.layers):
             return False
+        views = [(self.lm_head, self.lm_head_wt)]
         for layer, f in zip(self.layers, self.fused):
             a, m = layer.self_attn, layer.mlp
             if a.q_proj.weight.data_ptr() != f["qkv_w"].data_ptr() or \
@@ -184,7 +227,8 @@ class FusedDecoder:
                     a.v_proj.weight.data_ptr() != f["qkv_w"][-a.v_proj.weight.shape[0]:].data_ptr() or \
                     m.up_proj.weight.data_ptr() != f["gate_up_w"][m.gate_proj.weight.shape[0]:].data_ptr():
                 return False
-        return True
+            views += [(a.o_proj, f["o_wt"]), (m.down_proj, f["down_wt"])]
+        return all(view is None or module.weight.data_ptr() == view.data_ptr() for module, view in views)
 
     def reset(self, batch_size: int, max_len: int) -> None:
         """Allocate (or reuse) the per-layer caches for a new batch."""
@@ -257,18 +301,18 @@ class FusedDecoder:
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
 
-    def _attention_decode(self, layer_idx: int, attn: nn.Module, x: torch.Tensor, cos, sin, bias,
-                          kv: tuple[torch.Tensor, torch.Tensor]):
-        """One new token per sequence, everything 2-D or 3-D: x (B, hidden); cos, sin (B, 1, D);
-        bias (B * kv_heads, 1, S) with S = slot + 1; kv this layer's cache tensors (KVCache layout).
-        Batched matmuls (decode_attention) beat sdpa's overhead here."""
+    def _attention_decode(self, f: dict, x: torch.Tensor, cos, sin, bias, kv: tuple[torch.Tensor, torch.Tensor]):
+        """One new token per sequence, everything 2-D or 3-D: f this layer's `_fuse` entry; x (B, hidden);
+        cos, sin (B, 1, D); bias (B * kv_heads, 1, S) with S = slot + 1; kv this layer's cache tensors
+        (KVCache layout). Batched matmuls (decode_attention) beat sdpa's overhead here."""
         B = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
         slot = bias.shape[-1] - 1  # a shape, so a compiled step sees it as a symbolic size
-        f = self.fused[layer_idx]
-        qkv = F.linear(x, f["qkv_w"], f["qkv_b"]).view(B, H + 2 * KV, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
-            qk = torch.cat([rms_norm(attn.q_norm, qkv[:, :H]), rms_norm(attn.k_norm, qkv[:, H:H + KV])], dim=1)
+        qkv = torch.mm(x, f["qkv_wt"]) if f["qkv_b"] is None else torch.addmm(f["qkv_b"], x, f["qkv_wt"])
+        qkv = qkv.view(B, H + 2 * KV, self.head_dim)
+        if f["qk_norm"] is not None:  # Qwen3: per-head RMSNorm before rope
+            q_norm, k_norm = f["qk_norm"]
+            qk = torch.cat([rms_norm(q_norm, qkv[:, :H]), rms_norm(k_norm, qkv[:, H:H + KV])], dim=1)
         else:
             qk = qkv[:, :H + KV]
         qk = apply_rope(qk, cos, sin)  # (B, H + KV, D): q and k heads rotated at once
@@ -276,24 +320,29 @@ class FusedDecoder:
         k_cache.select(3, slot).copy_(qk[:, H:])  # select+copy_: a symbolic slot is not specialized
         v_cache.select(2, slot).copy_(qkv[:, H + KV:])
         k_t, v_all = k_cache[..., : slot + 1], v_cache[:, :, : slot + 1]
-        scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
-        return _linear(attn.o_proj, decode_attention(qk[:, :H], k_t, v_all, bias, scale))
+        return _mm(decode_attention(qk[:, :H], k_t, v_all, bias, f["scale"]), f["o_wt"], f["o_proj"])
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.fused[layer_idx]["gate_up_w"]).chunk(2, dim=-1)
         return _linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
+    def _mlp_decode(self, f: dict, x: torch.Tensor) -> torch.Tensor:
+        """x (B, hidden): torch.mm on the fused gate/up view; the activation's fresh output takes the
+        product in place."""
+        gate, up = torch.mm(x, f["gate_up_wt"]).chunk(2, dim=-1)
+        return _mm(f["act"](gate).mul_(up), f["down_wt"], f["down_proj"])
+
     def decode_step(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
                     kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The whole decode step as one function (what `compile=True` hands to torch.compile):
         token (B,), cos / sin (B, 1, D), bias (B * kv_heads, 1, slot + 1), kv the (k_cache, v_cache)
-        tensors of every layer -> logits (B, V) fp32; writes this step's keys and values at `slot`."""
+        tensors of every layer -> logits (B, V) fp32; writes this step's keys and values at `slot`.
+        The residual stream x is a fresh tensor (the embedding's output), so it is added to in place."""
         x = F.embedding(token, self.embed.weight)  # (B, hidden)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention_decode(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias,
-                                           kv[i])
-            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
-        return _linear(self.lm_head, rms_norm(self.norm, x)).float()
+        for f, layer_kv in zip(self.fused, kv):
+            x.add_(self._attention_decode(f, f["input_norm"](x), cos, sin, bias, layer_kv))
+            x.add_(self._mlp_decode(f, f["post_norm"](x)))
+        return _mm(self.final_norm(x), self.lm_head_wt, self.lm_head).float()
 
     def _run_decode(self, token, cos, sin, bias) -> torch.Tensor:
         """decode_step, compiled when asked; a compile failure warns once and the step runs eagerly

@@ -139,6 +139,7 @@ class NativeRollout:
             e = min(rows, s + chunk)
             self.decoder.reset(e - s, ids.shape[1] + params.response_length)
             parts.append(generate(self.decoder, ids[s:e], mask[s:e], pos[s:e], params, generator, sync_every))
+        # torch.cat copies generate()'s inference tensors into ordinary ones (the trainer writes into them).
         responses, response_mask, log_probs = (torch.cat(x, dim=0) for x in zip(*parts))
         # The temperature the log-probs were taken at (greedy: none, they are at T = 1), for compute_log_prob.
         meta = {} if params.greedy else {"temperature": params.temperature}

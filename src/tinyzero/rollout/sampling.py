@@ -9,11 +9,13 @@ vLLM reports log-probs of the renormalized truncated distribution (see vllm_back
 
 Top-p follows vLLM: keep the smallest set of most likely tokens whose mass reaches top_p
 (the most likely token is always kept). Top-k keeps every token whose logit is at least
-the k-th largest. Sampling is the Gumbel-max trick, argmax(logits / T + G) with
-G = -log(-log(U)), U ~ uniform from a seeded torch.Generator on the logits' device: an exact
-draw from softmax(logits / T) over the kept tokens (masked ones have -inf and are never
-picked), no Python work per sequence, reproducible, and ~4x cheaper on CPU than
-torch.multinomial (which draws exponentials in double precision).
+the k-th largest. Sampling is by inverse CDF: one float64 uniform U per row (seeded
+torch.Generator on the logits' device, drawn for every step of a generation at once) picks
+the first token whose running probability mass, summed in float64, exceeds U times the total.
+That is an exact draw from the fp32 softmax(logits / T) over the kept tokens (a masked token
+adds no mass, so it is never picked), reproducible, and on CPU about 2.5x cheaper per step
+than the Gumbel-max trick: it needs one random number per row instead of one per vocabulary
+entry, and no argmax (whose CPU kernel is scalar). Greedy decoding is the argmax.
 """
 
 from __future__ import annotations
@@ -90,18 +92,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator | None,
-                 device: torch.device | str) -> torch.Tensor:
-    """Standard Gumbel noise -log(-log(U)), fp32; U = 0 gives -inf (that token is never picked)."""
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
-    return u.log_().neg_().log_().neg_()
+def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator | None,
+                  device: torch.device | str) -> torch.Tensor:
+    """float64 uniforms in [0, 1) for `sample_from_logits`, e.g. (steps, batch) for a whole generation."""
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
 
 
 def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                       noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row. logits: (batch, vocab) -> (tokens (batch,) int64, log-probs (batch,) fp32).
 
-    noise: optional (batch, vocab) Gumbel noise drawn ahead (generate() draws several steps at once);
+    uniforms: optional (batch,) float64 uniforms drawn ahead (generate() draws every step's at once);
     drawn here from `generator` when None."""
     logits = logits.float()
     if params.greedy:
@@ -109,11 +110,18 @@ def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: 
         logp = torch.log_softmax(logits, dim=-1)
     else:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, dim=-1)
-        kept = apply_top_k_top_p(scaled, params.top_k, params.top_p)
-        if noise is None:
-            noise = gumbel_noise(kept.shape, generator, kept.device)
-        tokens = (kept + noise).argmax(dim=-1)
+        logp = torch.log_softmax(scaled, dim=-1)  # (batch, vocab)
+        if params.top_k > 0 or params.top_p < 1.0:
+            probs = apply_top_k_top_p(scaled, params.top_k, params.top_p).softmax(dim=-1)  # 0 outside
+        else:
+            probs = logp.exp()
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # (batch, vocab), non-decreasing
+        if uniforms is None:
+            uniforms = draw_uniforms((logits.shape[0],), generator, logits.device)
+        # U < 1, so the target is below the total mass and the first slot past it has mass of its own;
+        # the clamp only matters for non-finite logits (NaN mass), which the trainer's guards report.
+        target = uniforms.view(-1, 1) * cdf[:, -1:]  # (batch, 1)
+        tokens = torch.searchsorted(cdf, target, right=True).view(-1).clamp_(max=logits.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
