@@ -83,3 +83,31 @@ def test_resolve_sampling_params_overrides():
     assert p.greedy and p.n == 1
     with pytest.raises(ValueError, match="pad_token_id"):
         resolve_sampling_params(cfg, {"eos_token_id": 5}, seed=3)
+
+
+def test_inverse_cdf_edges_never_pick_masked_tokens():
+    """The extreme uniforms (0 and the largest float64 below 1) land on the first and last kept token in
+    vocabulary order, never on a masked one; a plain-Python cumulative sum is the reference for the rest."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0, 1.0, 2.5]]).repeat(5, 1)  # top-3 keeps tokens 1, 3, 5
+    params = SamplingParams(temperature=1.0, top_k=3, do_sample=True)
+    below_one = math.nextafter(1.0, 0.0)
+    uniforms = torch.tensor([0.0, below_one, 0.25, 0.5, 0.9], dtype=torch.float64)
+    tokens, _ = sample_from_logits(logits, params, None, uniforms)
+    kept = [1, 3, 5]
+    weights = [math.exp(x) if i in kept else 0.0 for i, x in enumerate(logits[0].tolist())]
+    total = sum(weights)
+
+    def reference(u: float) -> int:
+        mass = 0.0
+        for i, w in enumerate(weights):
+            mass += w
+            if mass > u * total:
+                return i
+        raise AssertionError("u * total reached the total mass")
+
+    assert tokens.tolist() == [reference(u) for u in uniforms.tolist()]
+    assert tokens[0] == 1 and tokens[1] == 5
+    # Non-finite logits (a broken model) still give in-range token ids, so the batch can be reported.
+    bad = torch.full((2, 6), float("nan"))
+    tokens, _ = sample_from_logits(bad, SamplingParams(do_sample=True), None, uniforms[:2])
+    assert ((tokens >= 0) & (tokens < 6)).all()
