@@ -95,13 +95,13 @@ class RolloutConfig:
     native_compile: bool = False
     """Native engine, fused decoder: torch.compile the decode step (fullgraph; batch size and cache
     length dynamic, so new batch sizes and lengths reuse the graph). Costs one compile per process on
-    the first generate call, ~16 s on CPU for the tiny model (about half that when torch's on-disk
-    compile cache is warm); a compile failure warns once and the engine decodes eagerly. Cuts each
-    decode step by ~20% on CPU (bench/rollout.py: 2.5x -> 3.0x HF generate), so it pays off once a
-    process spends more than ~1.5 minutes decoding (RL training runs), not in short tests or one-off
-    evaluations. Greedy output is unchanged (== HF generate); sampling draws the same noise, so the same
-    seed gives the same tokens unless compiled logits, which may differ from eager in the last bits,
-    flip a near-tie."""
+    the first generate call, 4-30 s on CPU for the tiny model (the low end when torch's on-disk
+    compile cache is warm); a compile failure warns once and the engine decodes eagerly. On CPU it
+    cuts each decode step by only ~7% (bench/rollout.py: 3.6x -> 3.9x HF generate; the eager step is
+    already mostly matmuls and cache reads), so it pays off only for long runs; it is untimed on GPU.
+    Greedy output is unchanged (== HF generate); sampling draws the same uniforms, so the same seed
+    gives the same tokens unless compiled logits, which may differ from eager in the last bits, flip
+    a near-tie."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
 

@@ -3,27 +3,33 @@
 Two implementations behind one call, `decoder(input_ids, position_ids, key_valid, start)`:
 
 * `FusedDecoder` -- our own forward for the Llama family (Qwen2, Qwen3, Llama, Mistral) over
-  the weights of the HF modules it wraps. RMSNorm and the activation are the HF modules;
-  q/k/v and gate/up are fused into one matmul each, their HF parameters becoming views into
-  the fused buffers (so `update_weights` by HF name still lands in place); rope comes from a
-  cos/sin table built once per batch by the HF rotary module (every rope scaling HF knows),
-  applied to q and k heads in one go (rope factors of every decode step gathered once per
-  batch); a static `KVCache` per layer; prefill attention is `scaled_dot_product_attention`,
-  decode attention two batched matmuls (GQA by grouping query heads per kv head; scale and
-  padding mask folded into the first, a baddbmm). Decode runs on (B, hidden) activations, so
-  no reshapes or transposes between ops. lm_head runs on the last position only.
+  the weights of the HF modules it wraps. q/k/v and gate/up are fused into one matmul each,
+  their HF parameters becoming views into the fused buffers (so `update_weights` by HF name
+  still lands in place); rope comes from a cos/sin table built once per batch by the HF rotary
+  module (every rope scaling HF knows), applied to q and k heads in one go (rope factors of
+  every decode step gathered once per batch); a static `KVCache` per layer; prefill attention
+  is `scaled_dot_product_attention`, decode attention two batched matmuls (GQA by grouping
+  query heads per kv head; scale and padding mask folded into the first, a baddbmm).
+  The decode step is built for per-op overhead, which is what a small model's step costs on
+  CPU: it runs on (B, hidden) activations (no reshapes or transposes between ops), calls
+  torch.mm / addmm on (in, out) weight views (the ops F.linear dispatches to, minus the
+  dispatch), the RMSNorm op bound to its weight and the activation as a function, all looked
+  up once per `_fuse` instead of through nn.Module attributes per step, and adds to the
+  residual stream in place. lm_head runs on the last position only.
 * `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
-Measured on CPU (bench/rollout.py: tiny model, batch 64, 128 new tokens, 1 thread) the fused
-decoder generates about 2.1x faster than driving the HF model with its cache (and 2.5-2.7x faster
-than HF generate in CPU time), so "auto" picks it whenever the model is of the supported family; greedy
-output of both equals HF generate token for token in fp32 (tests/test_rollout_native.py).
+Measured on CPU (bench/rollout.py: tiny model, batch 64, 128 new tokens, sampling, 1 thread) the
+native engine with the fused decoder generates 3.6x faster than HF generate (wall and CPU time) and
+2.6x faster than with the HF decoder, so "auto" picks it whenever the model is of the supported
+family; greedy output of both equals HF generate token for token in fp32 (tests/test_rollout_native.py).
 
 With rollout.native_compile the fused decode step (`FusedDecoder.decode_step`: every layer plus
 lm_head for one token per row) runs under torch.compile (fullgraph; batch size and cache length
 marked dynamic, so one graph serves every batch and step); a compile failure warns once and the
 engine decodes eagerly. Prefill always runs eagerly (once per batch). On CPU (same bench) that
-cuts a decode step by ~20% (3.0x HF generate) after a one-off compile of ~16 s per process.
+gains only ~7% over the eager step (3.9x HF generate) after a one-off compile of 4-30 s per
+process: what is left is matmuls and the attention's reads of the cache, which compiling does
+not shorten.
 
 Shapes: B batch, T new tokens, S = start + T filled cache slots, V vocab.
 key_valid (B, S) bool marks the slots that hold real tokens (left padding is False).
