@@ -82,11 +82,17 @@ def test_truncation_modes(tokenizer, parquet_path):
     long_ids = full[5]["raw_prompt_ids"]
     assert len(long_ids) > limit and len(full[4]["raw_prompt_ids"]) <= limit
 
-    err = RLHFDataset(parquet_path, tokenizer, DataConfig(truncation="error", **base))
-    assert err[4]["raw_prompt_ids"] == full[4]["raw_prompt_ids"]
+    # "error" stops at load, naming the first over-long row (row 0: every fifth prompt is long), how
+    # many there are and the max_prompt_length that fits them all.
+    longest = max(len(full[i]["raw_prompt_ids"]) for i in range(len(full)))
     with pytest.raises(ValueError) as e:
-        err[5]
-    assert parquet_path in str(e.value) and "row 5" in str(e.value) and "data.truncation" in str(e.value)
+        RLHFDataset(parquet_path, tokenizer, DataConfig(truncation="error", **base))
+    msg = str(e.value)
+    assert parquet_path in msg and "row 0:" in msg and "5 of 23" in msg and "data.truncation" in msg
+    assert f"data.max_prompt_length={longest}" in msg
+    fits = RLHFDataset(parquet_path, tokenizer, DataConfig(truncation="error", max_prompt_length=longest,
+                                                           apply_chat_template=False))
+    assert fits[5]["raw_prompt_ids"] == long_ids
 
     left = RLHFDataset(parquet_path, tokenizer, DataConfig(truncation="left", **base))
     assert left[5]["raw_prompt_ids"] == long_ids[-limit:]

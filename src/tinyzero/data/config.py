@@ -33,8 +33,10 @@ class DataConfig:
     """Prompts per validation batch; None puts the whole validation set in one batch."""
 
     truncation: str = "error"
-    """Over-long prompts: "error" (stop with the row named), "left" (keep the last tokens),
-    "right" (keep the first tokens) or "filter" (drop them when the dataset loads; the count is printed)."""
+    """Over-long prompts: "error" (stop when the dataset loads, naming the first such row and the
+    length that would fit them all), "left" (keep the last tokens), "right" (keep the first tokens) or
+    "filter" (drop them when the dataset loads; the count is printed). "error" and "filter" tokenize
+    every prompt once at load."""
 
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (instruct models); False uses the message

@@ -6,7 +6,7 @@
                    # ability, index, and any extra columns of the row
 
 Every file is validated row by row when the dataset is built (errors name file, row and
-field). Rows stay in arrow tables and are converted to Python only when fetched, so a
+field), and so are prompt lengths under truncation "error" or "filter". Rows stay in arrow tables and are converted to Python only when fetched, so a
 327k-row countdown set costs little memory per rank. Prompts are rendered with the
 tokenizer's chat template (`apply_chat_template=True`, generation prompt appended) or used
 raw (the message contents joined by newlines), then tokenized without special tokens.
@@ -86,7 +86,9 @@ class RLHFDataset:
         self._keep = np.arange(self.num_rows_total, dtype=np.int64)
         self.num_filtered = 0
         if self.config.truncation == "filter":
-            self._filter_overlong()
+            self._filter_overlong(self._prompt_lengths())
+        elif self.config.truncation == "error":  # at load, not steps into a run when the row is drawn
+            self._check_lengths(self._prompt_lengths())
 
     # ------------------------------------------------------------------ loading
     def _locate(self, global_row: int) -> tuple[int, int]:
@@ -106,8 +108,20 @@ class RLHFDataset:
                 pos += len(ids)
         return lengths
 
-    def _filter_overlong(self) -> None:
-        lengths = self._prompt_lengths()
+    def _check_lengths(self, lengths: np.ndarray) -> None:
+        limit = self.config.max_prompt_length
+        over = np.nonzero(lengths > limit)[0]
+        if not len(over):
+            return
+        f, local = self._locate(int(over[0]))
+        longest = int(lengths.max())
+        raise ValueError(
+            f"{self.files[f]}: row {local}: prompt has {int(lengths[over[0]])} tokens, more than "
+            f"data.max_prompt_length={limit} ({len(over)} of {self.num_rows_total} prompts are; the longest has "
+            f"{longest}); set data.max_prompt_length={longest} or data.truncation to left, right or filter"
+        )
+
+    def _filter_overlong(self, lengths: np.ndarray) -> None:
         keep = lengths <= self.config.max_prompt_length
         self._keep = np.nonzero(keep)[0].astype(np.int64)
         self.num_filtered = int((~keep).sum())
