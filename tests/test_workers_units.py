@@ -221,3 +221,51 @@ def test_lr_follows_the_schedule_once_per_update(tiny_model_dir):
     expected = [1e-4 * cosine_lr_factor(s, 1, 4, 0.1) for s in range(4)]
     assert lrs == pytest.approx(expected, rel=1e-12)
     assert actor.optimizer.state[next(iter(actor.optimizer.state))]["step"] == 4 * 2 * 2
+
+
+def test_reward_model_retokenize_chat_template_and_plain(tiny_model_dir):
+    """retokenize: rows with chat messages are the reward tokenizer's chat template over the messages plus
+    the decoded response as the assistant turn; rows without are prompt + response text (+ eos when the
+    response ended); left-padded, cut to the last max_length tokens. Reference: the tokenizer itself."""
+    from transformers import AutoTokenizer
+
+    from tinyzero.workers.reward_model import retokenize
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok.chat_template
+    prompts = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Say hi"}]]
+    responses = ["It is 5.", "Hello there"]
+    prompt_ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)["input_ids"] for m in prompts]  # as RLHFDataset renders them
+    resp_ids = [tok(responses[0])["input_ids"] + [tok.eos_token_id], tok(responses[1])["input_ids"]]
+    p, r = max(map(len, prompt_ids)), max(map(len, resp_ids)) + 2
+    ids = torch.full((2, p + r), tok.pad_token_id)
+    mask = torch.zeros(2, p + r, dtype=torch.long)
+    for i in range(2):  # left-padded prompts, right-padded responses (the rollout layout)
+        ids[i, p - len(prompt_ids[i]):p], mask[i, p - len(prompt_ids[i]):p] = torch.tensor(prompt_ids[i]), 1
+        ids[i, p:p + len(resp_ids[i])], mask[i, p:p + len(resp_ids[i])] = torch.tensor(resp_ids[i]), 1
+    tensors = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:]}
+
+    def expected(texts, max_length=None):
+        rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        width = max(map(len, rows)) if max_length is None else min(max_length, max(map(len, rows)))
+        rows = [row[-width:] for row in rows]
+        out = torch.full((len(rows), width), tok.pad_token_id)
+        for i, row in enumerate(rows):
+            out[i, width - len(row):] = torch.tensor(row)
+        return out, (torch.arange(width) >= width - torch.tensor([len(x) for x in rows])[:, None]).long()
+
+    chat = DataProto.from_dict(tensors, non_tensors={"raw_prompt": prompts})
+    got = retokenize(chat, tok, tok)
+    want_ids, want_mask = expected([tok.apply_chat_template(m + [{"role": "assistant", "content": a}], tokenize=False)
+                                    for m, a in zip(prompts, responses)])
+    assert torch.equal(got.batch["input_ids"], want_ids) and torch.equal(got.batch["attention_mask"], want_mask)
+    assert torch.equal(got.batch["position_ids"], (want_mask.cumsum(-1) - 1).clamp(min=0))
+
+    plain = retokenize(DataProto.from_dict(tensors), tok, tok, max_length=12)
+    texts = [tok.decode(prompt_ids[0], skip_special_tokens=True) + responses[0] + tok.eos_token,
+             tok.decode(prompt_ids[1], skip_special_tokens=True) + responses[1]]
+    want_ids, want_mask = expected(texts, max_length=12)
+    assert plain.batch["input_ids"].shape[1] == 12
+    assert torch.equal(plain.batch["input_ids"], want_ids) and torch.equal(plain.batch["attention_mask"], want_mask)

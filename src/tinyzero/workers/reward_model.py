@@ -31,6 +31,36 @@ def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     return out
 
 
+def retokenize(data: DataProto, src, dst, max_length: int | None = None) -> DataProto:
+    """Decode rows (input_ids / attention_mask / responses) with the policy tokenizer `src`, re-encode
+    them with the reward model's `dst`, left-padded, keeping the last `max_length` tokens. With chat
+    messages in non_tensor_batch["raw_prompt"] and a chat template on `dst`, a row is the template over
+    the messages plus the response as the assistant turn; otherwise prompt text + response text (+ dst's
+    eos token when the response ended with src's)."""
+    r = data.batch["responses"].shape[1]
+    ids, attn = data.batch["input_ids"], data.batch["attention_mask"]
+    texts = []
+    raw = data.non_tensor_batch.get("raw_prompt")
+    for i in range(len(data)):
+        prompt_ids = ids[i, :-r][attn[i, :-r].bool()].tolist()
+        resp_ids = ids[i, -r:][attn[i, -r:].bool()].tolist()
+        response = src.decode(resp_ids, skip_special_tokens=True)
+        if raw is not None and getattr(dst, "chat_template", None):
+            chat = list(raw[i]) + [{"role": "assistant", "content": response}]
+            texts.append(dst.apply_chat_template(chat, tokenize=False))
+        else:
+            # A finished response keeps its end marker, in the reward model's own spelling.
+            ended = bool(resp_ids) and resp_ids[-1] == src.eos_token_id
+            texts.append(src.decode(prompt_ids, skip_special_tokens=True) + response
+                         + (dst.eos_token or "" if ended else ""))
+    enc = dst(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    new_ids, new_attn = enc["input_ids"], enc["attention_mask"]
+    if max_length is not None and new_ids.shape[1] > max_length:
+        new_ids, new_attn = new_ids[:, -max_length:], new_attn[:, -max_length:]
+    pos = (new_attn.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({"input_ids": new_ids, "attention_mask": new_attn, "position_ids": pos})
+
+
 class RewardModelWorker(Worker):
     """Scores from a learned reward model, sharded with FSDP2 over the pool."""
 
@@ -54,33 +84,6 @@ class RewardModelWorker(Worker):
         model.requires_grad_(False)
         self.model = attach_score_method(model)
         offload_after_init(self.model, cfg.fsdp_config)
-
-    def _retokenize(self, data: DataProto) -> DataProto:
-        """Decode with the policy tokenizer, re-encode with the reward model's (left-padded)."""
-        src, dst = self.input_tokenizer, self.tokenizer
-        r = data.batch["responses"].shape[1]
-        ids, attn = data.batch["input_ids"], data.batch["attention_mask"]
-        texts = []
-        raw = data.non_tensor_batch.get("raw_prompt")
-        for i in range(len(data)):
-            prompt_ids = ids[i, :-r][attn[i, :-r].bool()].tolist()
-            resp_ids = ids[i, -r:][attn[i, -r:].bool()].tolist()
-            response = src.decode(resp_ids, skip_special_tokens=True)
-            if raw is not None and getattr(dst, "chat_template", None):
-                chat = list(raw[i]) + [{"role": "assistant", "content": response}]
-                texts.append(dst.apply_chat_template(chat, tokenize=False))
-            else:
-                # A finished response keeps its end marker, in the reward model's own spelling.
-                ended = bool(resp_ids) and resp_ids[-1] == src.eos_token_id
-                texts.append(src.decode(prompt_ids, skip_special_tokens=True) + response
-                             + (dst.eos_token or "" if ended else ""))
-        enc = dst(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        new_ids, new_attn = enc["input_ids"], enc["attention_mask"]
-        max_len = self.config.max_length
-        if max_len is not None and new_ids.shape[1] > max_len:
-            new_ids, new_attn = new_ids[:, -max_len:], new_attn[:, -max_len:]
-        pos = (new_attn.cumsum(-1) - 1).clamp(min=0)
-        return DataProto.from_dict({"input_ids": new_ids, "attention_mask": new_attn, "position_ids": pos})
 
     @torch.no_grad()
     def _scores(self, data: DataProto) -> torch.Tensor:
@@ -107,7 +110,8 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """rm_scores (rows, R): the reward model's score at each row's last valid response token."""
-        model_input = self._retokenize(data) if self.input_tokenizer is not None else data
+        model_input = data if self.input_tokenizer is None else \
+            retokenize(data, self.input_tokenizer, self.tokenizer, self.config.max_length)
         with on_device(self.model, self.config.fsdp_config, self.device):
             scores = self._scores(model_input)
         return DataProto.from_dict(tensors={"rm_scores": place_at_last_token(scores, response_mask_of(data))})
