@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tinyzero.algorithms import POLICY_LOSSES
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.data.config import DataConfig
 from tinyzero.rewards.config import RewardConfig
@@ -187,6 +188,9 @@ def check_config(cfg: Config) -> None:
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
                          f"group: set actor_rollout_ref.rollout.n >= 2 (got {n})")
+    if arr.actor.policy_loss.loss_mode not in POLICY_LOSSES:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} is "
+                         f"unknown; use one of {sorted(POLICY_LOSSES)} or register one with register_policy_loss")
     if cfg.data.train_batch_size < arr.actor.ppo_mini_batch_size:
         raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
                          f"data.train_batch_size={cfg.data.train_batch_size}; lower the mini-batch size")

@@ -131,6 +131,55 @@ def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     return advantages, advantages
 
 
+@register_adv_est("gpg")
+@torch.no_grad()
+def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                                  f_norm: float = 1.0, **kwargs):
+    """GPG (Chu et al. 2025): alpha * (score - group mean) / f_norm, alpha = B / (responses scoring != 0).
+
+    No std division; a group of one has mean 0 (veRL's rule). alpha rescales the batch so that rows
+    with a zero score (no signal) do not dilute the gradient. Pairs with policy loss "gpg".
+    """
+    scores, ids, num_groups = _scores_and_groups(token_level_rewards, index)
+    mean, _, _ = group_mean_std(scores, ids, num_groups)  # (G,)
+    alpha = scores.numel() / max(int(torch.count_nonzero(scores)), 1)
+    advantages = (alpha * (scores.to(mean.dtype) - mean[ids]) / f_norm).to(scores.dtype)  # (B,)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("grpo_passk")
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                                         epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, **kwargs):
+    """Pass@k training (Chen et al. 2025): only the best response of each group gets an advantage,
+    r_max - r_second_max (over the group std + epsilon when norm_adv_by_std_in_grpo); the rest get 0.
+
+    Among tied best responses the first in batch order is the one credited (its advantage is then 0).
+    Every group needs at least 2 responses (rollout.n >= 2).
+    """
+    scores, ids, num_groups = _scores_and_groups(token_level_rewards, index)
+    _, std, count = group_mean_std(scores, ids, num_groups)  # (G,)
+    if bool((count < 2).any()):
+        raise ValueError("advantage estimator 'grpo_passk' needs at least 2 responses per prompt; set "
+                         "actor_rollout_ref.rollout.n >= 2")
+    x = scores.to(std.dtype)  # (B,)
+    rows = torch.arange(x.numel(), device=x.device)
+    best = torch.full((num_groups,), float("-inf"), dtype=x.dtype, device=x.device).scatter_reduce(
+        0, ids, x, reduce="amax")  # (G,)
+    first_best = torch.full((num_groups,), x.numel(), dtype=torch.long, device=x.device).scatter_reduce(
+        0, ids, torch.where(x == best[ids], rows, x.numel()), reduce="amin")  # (G,) row of each group's best
+    is_best = rows == first_best[ids]  # (B,)
+    second = torch.full_like(best, float("-inf")).scatter_reduce(
+        0, ids, torch.where(is_best, torch.full_like(x, float("-inf")), x), reduce="amax")  # (G,)
+    gap = best - second
+    if norm_adv_by_std_in_grpo:
+        gap = gap / (std + epsilon)
+    advantages = torch.where(is_best, gap[ids], torch.zeros_like(x)).to(scores.dtype)  # (B,)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
 @register_adv_est("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,

@@ -44,8 +44,8 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE lambda (in [0, 1])."""
     adv_estimator: str = "gae"
-    """Advantage estimator by registry name: gae, grpo, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax, opo (or any name added with register_adv_est)."""
+    """Advantage estimator by registry name: gae, grpo, grpo_passk, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax, opo, gpg (or any name added with register_adv_est)."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group std; False gives Dr. GRPO (mean-centred only)."""
     use_kl_in_reward: bool = False

@@ -169,6 +169,92 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
     return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
 
 
+def _policy_loss_param(config: Any, name: str, default: float) -> float:
+    """config.policy_loss.<name> (the actor config's policy_loss section), else veRL's default."""
+    value = getattr(getattr(config, "policy_loss", None), name, None)
+    return default if value is None else float(value)
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                            config=None, rollout_log_probs=None):
+    """GPG (Chu et al. 2025): plain policy gradient -log_prob * A, no ratio and no clip (use it with the
+    "gpg" advantage estimator and ppo_epochs=1). ppo_kl is reported as a diagnostic only."""
+    pg_losses = -log_prob * advantages  # (B, R)
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    zero = torch.zeros((), device=pg_loss.device)
+    return pg_loss, zero, masked_mean(old_log_prob - log_prob.detach(), response_mask), zero
+
+
+def _centred_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor):
+    """(A - mean A) * (log pi - mean log pi) per token, means over the valid tokens (B, R); no gradient."""
+    adv = advantages.detach()
+    logp = log_prob.detach()
+    return (adv - masked_mean(adv, response_mask)) * (logp - masked_mean(logp, response_mask))
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                 config=None, rollout_log_probs=None):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): the PPO clipped
+    surrogate, plus a random clip_cov_ratio share of the micro-batch's tokens whose centred
+    advantage x log-prob covariance lies in (clip_cov_lb, clip_cov_ub) -- among those the ratio clip
+    left alone -- get no gradient (their loss is multiplied by 0), which slows entropy collapse.
+    pg_clipfrac is the share of tokens cut that way. Selection uses torch's global RNG (seeded)."""
+    low, high, _ = _clip_params(config)
+    ratio_share = _policy_loss_param(config, "clip_cov_ratio", 0.0002)
+    lb = _policy_loss_param(config, "clip_cov_lb", 1.0)
+    ub = _policy_loss_param(config, "clip_cov_ub", 5.0)
+    mask = response_mask > 0  # (B, R)
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clipped = (pg_losses2 > pg_losses1) & mask
+    cov = _centred_covariance(advantages, log_prob, response_mask)
+    candidates = torch.nonzero((cov > lb) & (cov < ub) & mask & ~clipped)  # (n, 2)
+    num_cut = min(max(int(ratio_share * int(mask.sum())), 1), candidates.shape[0])
+    keep = torch.ones_like(pg_losses1)
+    if num_cut:
+        chosen = candidates[torch.randperm(candidates.shape[0])[:num_cut].to(candidates.device)]
+        keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * keep
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_clipfrac = masked_mean((keep == 0).float(), response_mask)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                               config=None, rollout_log_probs=None):
+    """KL-Cov (Cui et al. 2025): the unclipped surrogate -A * ratio, plus ppo_kl_coef * |log pi - log pi_old|
+    on the kl_cov_ratio share of the micro-batch's tokens with the largest centred advantage x log-prob
+    covariance (at least one). ppo_kl reports the mean |log ratio|, as in veRL."""
+    ratio_share = _policy_loss_param(config, "kl_cov_ratio", 0.0002)
+    coef = _policy_loss_param(config, "ppo_kl_coef", 1.0)
+    mask = response_mask > 0  # (B, R)
+    negative_approx_kl = log_prob - old_log_prob
+    abs_kl = negative_approx_kl.abs()
+    pg_losses = -advantages * torch.exp(negative_approx_kl)  # (B, R)
+    valid = torch.nonzero(mask.reshape(-1)).squeeze(-1)  # (n,) flat positions of the valid tokens
+    cov = _centred_covariance(advantages, log_prob, response_mask).reshape(-1)[valid]
+    num_penalised = max(1, int(valid.numel() * ratio_share)) if valid.numel() else 0
+    penalty = torch.zeros(pg_losses.numel(), dtype=pg_losses.dtype, device=pg_losses.device)
+    if num_penalised:
+        penalty[valid[torch.topk(cov, num_penalised).indices]] = coef
+    pg_losses = pg_losses + penalty.view_as(pg_losses) * abs_kl
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    zero = torch.zeros((), device=pg_loss.device)
+    return pg_loss, zero, masked_mean(abs_kl, response_mask), zero
+
+
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low=None,
                         cliprange_high=None, clip_ratio_c=3.0, loss_agg_mode="token-mean"):
     """Dual-clip PPO loss with explicit clip ranges -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)."""

@@ -78,7 +78,28 @@ class PolicyLossConfig:
     """Which policy loss of the `tinyzero.algorithms` registry the actor minimises."""
 
     loss_mode: str = "vanilla"
-    """Name in the policy-loss registry ("vanilla" = PPO clipped surrogate with dual clip)."""
+    """Name in the policy-loss registry: "vanilla" (PPO clipped surrogate with dual clip), "gspo",
+    "gpg", "clip_cov", "kl_cov", or any name added with register_policy_loss."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the micro-batch's response tokens whose gradient may be cut."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with centred advantage x log-prob covariance above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ... and below this."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the micro-batch's response tokens (largest covariance) given the KL penalty."""
+    ppo_kl_coef: float = 1.0
+    """kl_cov: coefficient of |log pi - log pi_old| on the selected tokens."""
+
+    def __post_init__(self):
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"policy_loss.{name} must be in (0, 1] (got {getattr(self, name)})")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"policy_loss.clip_cov_lb={self.clip_cov_lb} must be below "
+                             f"policy_loss.clip_cov_ub={self.clip_cov_ub}")
+        if self.ppo_kl_coef < 0:
+            raise ValueError(f"policy_loss.ppo_kl_coef must be >= 0 (got {self.ppo_kl_coef})")
 
 
 @dataclass
