@@ -132,7 +132,7 @@ def test_clip_cov_cuts_only_candidate_tokens(seed):
     loss, clipfrac, ppo_kl, _ = get_policy_loss_fn("clip_cov")(
         old, logp, adv, mask, "token-mean", config=_config(clip_cov_ratio=1.0, clip_cov_lb=lb, clip_cov_ub=ub))
     want = sum(token_loss(i, t)[0] for i, t in tokens if (i, t) not in candidates) / len(tokens)
-    assert abs(float(loss) - want) < TOL
+    assert abs(float(loss.detach()) - want) < TOL
     assert abs(float(clipfrac) - len(candidates) / len(tokens)) < TOL
     assert abs(float(ppo_kl) - sum(float(old[k] - lp[k]) for k in tokens) / len(tokens)) < TOL
     # A small ratio cuts max(int(ratio * tokens), 1) of them, chosen at random: the gradient is 0 there only.
@@ -161,7 +161,7 @@ def test_kl_cov_penalises_top_covariance_tokens(ratio, coef):
     for i, t in tokens:
         log_ratio = float(lp[i, t]) - float(old[i, t])
         total += -float(adv[i, t]) * math.exp(log_ratio) + (coef * abs(log_ratio) if (i, t) in top else 0.0)
-    assert abs(float(loss) - total / len(tokens)) < TOL
+    assert abs(float(loss.detach()) - total / len(tokens)) < TOL
     assert abs(float(ppo_kl) - sum(abs(float(lp[k] - old[k])) for k in tokens) / len(tokens)) < TOL
 
 
@@ -180,3 +180,30 @@ def test_unknown_policy_loss_is_a_config_error():
     cfg = parse_args(["--preset", "demo_cpu", "--actor_rollout_ref.actor.policy_loss.loss_mode", "kl_cov",
                       "--actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "0.01"])
     assert cfg.actor_rollout_ref.actor.policy_loss.kl_cov_ratio == 0.01
+
+
+def test_cispo_matches_loop_and_keeps_every_gradient():
+    old, logp, adv, mask = _loss_inputs(5, rows=8, length=12)
+    cfg = ActorConfig(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.25)
+    loss, clipfrac, ppo_kl, _ = get_policy_loss_fn("cispo")(old, logp, adv, mask, "token-mean", config=cfg)
+    lp = logp.detach()
+    tokens = _valid(mask)
+    weights = {k: min(max(math.exp(float(lp[k] - old[k])), 0.9), 1.25) for k in tokens}
+    want = sum(-weights[k] * float(adv[k]) * float(lp[k]) for k in tokens) / len(tokens)
+    assert abs(float(loss.detach()) - want) < TOL
+    clipped = sum(1 for k in tokens if weights[k] != math.exp(float(lp[k] - old[k])))
+    assert 0 < clipped < len(tokens) and abs(float(clipfrac) - clipped / len(tokens)) < TOL
+    assert abs(float(ppo_kl) - sum(float(old[k] - lp[k]) for k in tokens) / len(tokens)) < TOL
+    loss.backward()
+    for k in tokens:  # the weight is a constant: d loss / d log_prob = -w * A / tokens, clipped or not
+        assert abs(float(logp.grad[k]) + weights[k] * float(adv[k]) / len(tokens)) < TOL
+
+
+def test_gspo_needs_sequence_mean_aggregation():
+    from tinyzero.config import parse_args
+
+    base = ["--preset", "demo_cpu", "--actor_rollout_ref.actor.policy_loss.loss_mode", "gspo"]
+    with pytest.raises((ValueError, SystemExit)):
+        parse_args(base + ["--actor_rollout_ref.actor.loss_agg_mode", "token-mean"])
+    cfg = parse_args(base + ["--actor_rollout_ref.actor.loss_agg_mode", "seq-mean-token-mean"])
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"

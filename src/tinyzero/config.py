@@ -191,6 +191,10 @@ def check_config(cfg: Config) -> None:
     if arr.actor.policy_loss.loss_mode not in POLICY_LOSSES:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} is "
                          f"unknown; use one of {sorted(POLICY_LOSSES)} or register one with register_policy_loss")
+    if arr.actor.policy_loss.loss_mode == "gspo" and arr.actor.loss_agg_mode != "seq-mean-token-mean":
+        # GSPO's loss is a mean over sequences; the micro-batch weights follow loss_agg_mode.
+        raise ConfigError(f"policy_loss.loss_mode='gspo' averages over sequences: set actor_rollout_ref.actor."
+                         f"loss_agg_mode=seq-mean-token-mean (got {arr.actor.loss_agg_mode!r})")
     if cfg.data.train_batch_size < arr.actor.ppo_mini_batch_size:
         raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
                          f"data.train_batch_size={cfg.data.train_batch_size}; lower the mini-batch size")

@@ -188,6 +188,25 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, l
     return pg_loss, zero, masked_mean(old_log_prob - log_prob.detach(), response_mask), zero
 
 
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                              config=None, rollout_log_probs=None):
+    """CISPO (MiniMax-M1, 2025): -sg(clip(ratio, 1 - low, 1 + high)) * A * log_prob. The importance weight
+    is clipped and carries no gradient, so every token keeps a gradient (PPO's clip drops clipped
+    tokens' gradients altogether). pg_clipfrac is the share of tokens whose weight was clipped."""
+    low, high, _ = _clip_params(config)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (B, R)
+    ratio = torch.exp(negative_approx_kl)
+    weight = torch.clamp(ratio, 1 - low, 1 + high).detach()
+    pg_losses = -weight * advantages * log_prob
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_clipfrac = masked_mean((ratio != weight).float(), response_mask)
+    ppo_kl = masked_mean(-negative_approx_kl.detach(), response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
+
+
 def _centred_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor):
     """(A - mean A) * (log pi - mean log pi) per token, means over the valid tokens (B, R); no gradient."""
     adv = advantages.detach()
@@ -225,7 +244,7 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
     pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     pg_clipfrac = masked_mean((keep == 0).float(), response_mask)
-    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    ppo_kl = masked_mean(-negative_approx_kl.detach(), response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
 
 
@@ -252,7 +271,7 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     zero = torch.zeros((), device=pg_loss.device)
-    return pg_loss, zero, masked_mean(abs_kl, response_mask), zero
+    return pg_loss, zero, masked_mean(abs_kl.detach(), response_mask), zero
 
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low=None,

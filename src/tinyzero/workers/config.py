@@ -78,8 +78,9 @@ class PolicyLossConfig:
     """Which policy loss of the `tinyzero.algorithms` registry the actor minimises."""
 
     loss_mode: str = "vanilla"
-    """Name in the policy-loss registry: "vanilla" (PPO clipped surrogate with dual clip), "gspo",
-    "gpg", "clip_cov", "kl_cov", or any name added with register_policy_loss."""
+    """Name in the policy-loss registry: "vanilla" (PPO clipped surrogate with dual clip), "gspo"
+    (needs loss_agg_mode=seq-mean-token-mean), "gpg", "cispo", "clip_cov", "kl_cov", or any name added
+    with register_policy_loss."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of the micro-batch's response tokens whose gradient may be cut."""
     clip_cov_lb: float = 1.0
