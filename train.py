@@ -28,6 +28,7 @@ import contextlib
 import io
 import os
 import sys
+import time
 import traceback
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,6 +61,19 @@ def run(cfg) -> dict:
         trainer.close()
 
 
+REPORT_GRACE_S = 3.0
+
+
+def _after_report(code: int) -> int:
+    """The exit code of an error only rank 0 reports. The other ranks wait a moment first: torchrun
+    stops the whole job when the first rank exits, and rank 0 must not be stopped before it prints."""
+    from tinyzero.distributed import get_rank
+
+    if get_rank() != 0:
+        time.sleep(REPORT_GRACE_S)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError, parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
@@ -70,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
             cfg = parse_args(argv)  # tyro reports bad flags itself and exits (SystemExit)
-    except ValueError as e:
-        if not quiet:
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, SystemExit) as e:
+        if isinstance(e, SystemExit) and e.code in (0, None):  # --help
+            raise
+        if not quiet and isinstance(e, ValueError):
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        return _after_report(2)
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     init_distributed()
@@ -84,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if get_rank() == 0:
             print(f"config error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _after_report(2)
     except ValueError as e:
         # An input the user can fix (a bad data row, a missing file): one line per rank that hit it.
         where = traceback.extract_tb(e.__traceback__)[-1]
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         # Metrics are reduced over ranks, so every rank stops at the same step: rank 0 reports it.
         if get_rank() == 0:
             print(f"stopped: {e}", file=sys.stderr, flush=True)
-        return 3
+        return _after_report(3)
     except BaseException:
         print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
