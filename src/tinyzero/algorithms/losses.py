@@ -129,6 +129,11 @@ def apply_tis(pg_losses: torch.Tensor, old_log_prob: torch.Tensor, rollout_log_p
     return pg_losses * weight
 
 
+def _tis_cap(config: Any) -> float:
+    """The actor's tis_imp_ratio_cap (<= 0: TIS off, the default without a config)."""
+    return getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                                 config=None, rollout_log_probs=None):
@@ -137,8 +142,7 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
     clip_ratio_c = getattr(config, "clip_ratio_c", 3.0) if config is not None else 3.0
     pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _ppo_clip_losses(
         old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c)
-    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
-    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, _tis_cap(config))
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
@@ -161,8 +165,7 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
     pg_losses1 = -advantages * seq_ratio
     pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
-    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, _tis_cap(config))
     pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
@@ -181,8 +184,7 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, l
     """GPG (Chu et al. 2025): plain policy gradient -log_prob * A, no ratio and no clip (use it with the
     "gpg" advantage estimator and ppo_epochs=1). ppo_kl is reported as a diagnostic only."""
     pg_losses = -log_prob * advantages  # (B, R)
-    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
-    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, _tis_cap(config))
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     zero = torch.zeros((), device=pg_loss.device)
     return pg_loss, zero, masked_mean(old_log_prob - log_prob.detach(), response_mask), zero
@@ -199,8 +201,7 @@ def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
     ratio = torch.exp(negative_approx_kl)
     weight = torch.clamp(ratio, 1 - low, 1 + high).detach()
     pg_losses = -weight * advantages * log_prob
-    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
-    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, _tis_cap(config))
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     pg_clipfrac = masked_mean((ratio != weight).float(), response_mask)
     ppo_kl = masked_mean(-negative_approx_kl.detach(), response_mask)
@@ -240,8 +241,7 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
         chosen = candidates[torch.randperm(candidates.shape[0])[:num_cut].to(candidates.device)]
         keep[chosen[:, 0], chosen[:, 1]] = 0.0
     pg_losses = torch.maximum(pg_losses1, pg_losses2) * keep
-    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
-    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, _tis_cap(config))
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     pg_clipfrac = masked_mean((keep == 0).float(), response_mask)
     ppo_kl = masked_mean(-negative_approx_kl.detach(), response_mask)
@@ -267,8 +267,7 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     if num_penalised:
         penalty[valid[torch.topk(cov, num_penalised).indices]] = coef
     pg_losses = pg_losses + penalty.view_as(pg_losses) * abs_kl
-    cap = getattr(config, "tis_imp_ratio_cap", -1.0) if config is not None else -1.0
-    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, cap)
+    pg_losses = apply_tis(pg_losses, old_log_prob, rollout_log_probs, _tis_cap(config))
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     zero = torch.zeros((), device=pg_loss.device)
     return pg_loss, zero, masked_mean(abs_kl.detach(), response_mask), zero

@@ -6,10 +6,11 @@
                    # ability, index, and any extra columns of the row
 
 Every file is validated row by row when the dataset is built (errors name file, row and
-field), and so are prompt lengths under truncation "error" or "filter". Rows stay in arrow tables and are converted to Python only when fetched, so a
-327k-row countdown set costs little memory per rank. Prompts are rendered with the
-tokenizer's chat template (`apply_chat_template=True`, generation prompt appended) or used
-raw (the message contents joined by newlines), then tokenized without special tokens.
+field), and so are prompt lengths under truncation "error" or "filter". Rows stay in arrow
+tables and are converted to Python only when fetched, so a 327k-row countdown set costs
+little memory per rank. Prompts are rendered with the tokenizer's chat template
+(`apply_chat_template=True`, generation prompt appended) or used raw (the message contents
+joined by newlines), then tokenized without special tokens.
 """
 
 from __future__ import annotations
