@@ -20,14 +20,13 @@ from typing import Any, Literal
 
 import yaml
 
-from tinyzero.algorithms import POLICY_LOSSES
+from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.data.config import DataConfig
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
 
 MODES = ("ppo", "sft", "rm", "dpo")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
 
 
 class ConfigError(ValueError):
@@ -98,6 +97,24 @@ class TrainerConfig:
     """Show a progress bar with ETA on rank 0 (console logger)."""
     plot: bool = True
     """Draw the curves (PNG) into the run folder at the end (needs matplotlib)."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of every collective (the world group and every pool's groups): a rank that stops
+    taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
+    hang_timeout_s: float = 300.0
+    """Progress watchdog: when a rank reports no progress (a step phase, a micro-batch, generated
+    tokens, scored samples) for this long, every rank dumps its Python stacks and the job ends
+    naming the stuck rank, its phase and its last progress. 0 disables it (e.g. under a debugger)."""
+    save_on_signal: bool = True
+    """On SIGTERM / SIGINT (Slurm and Kubernetes send SIGTERM before killing): finish the current step,
+    save a checkpoint on every rank, and exit non-zero saying so. A second signal stops at once."""
+    signal_grace_s: float = 25.0
+    """After a SIGTERM / SIGINT, the most seconds to wait for the end of the step and its save; past it
+    the job exits without saving (the last checkpoint stays intact). Keep it below the scheduler's
+    kill delay (torchrun and Kubernetes: 30 s; Slurm: --signal=TERM@SECONDS)."""
+    allow_config_change: str = ""
+    """Resuming with changes to settings that alter the training (batch sizes, learning rates, seeds,
+    model path, ...) is refused; list the fields to accept anyway, comma-separated
+    ("data.train_batch_size,actor_rollout_ref.actor.optim.lr"), or "all"."""
 
     def __post_init__(self):
         known = ("console", "jsonl", "tensorboard", "wandb")
@@ -118,6 +135,17 @@ class TrainerConfig:
             raise ConfigError("trainer.test_freq / trainer.save_freq must be a positive step count or -1 (off)")
         if self.critic_warmup < 0:
             raise ConfigError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
+        if not self.signal_grace_s > 0:
+            raise ConfigError(f"trainer.signal_grace_s must be > 0 seconds (got {self.signal_grace_s}); turn "
+                              "saving on signals off with trainer.save_on_signal=false instead")
+        if not isinstance(self.allow_config_change, str):
+            raise ConfigError("trainer.allow_config_change must be a comma-separated string of field names or "
+                              f"'all' (got {self.allow_config_change!r})")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"trainer.collective_timeout_s must be > 0 seconds (got {self.collective_timeout_s})")
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError(f"trainer.hang_timeout_s must be >= 0 seconds, 0 to disable the watchdog "
+                              f"(got {self.hang_timeout_s})")
 
 
 @dataclass
@@ -164,8 +192,8 @@ class Config:
 
     @property
     def use_critic(self) -> bool:
-        """Whether the run trains a value model (GAE advantages)."""
-        return self.trainer.mode == "ppo" and self.algorithm.adv_estimator == "gae"
+        """Whether the run trains a value model (an estimator registered with needs_critic, such as gae)."""
+        return self.trainer.mode == "ppo" and get_adv_estimator_spec(self.algorithm.adv_estimator).needs_critic
 
     @property
     def use_reference(self) -> bool:
@@ -185,16 +213,22 @@ def check_config(cfg: Config) -> None:
     if cfg.trainer.mode != "ppo":
         return
     n = arr.rollout.n
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    estimator = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
+    if estimator is None:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} is unknown; use one of "
+                         f"{sorted(ADV_ESTIMATORS)} or register one with register_adv_est")
+    if estimator.needs_groups and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
                          f"group: set actor_rollout_ref.rollout.n >= 2 (got {n})")
     if arr.actor.policy_loss.loss_mode not in POLICY_LOSSES:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} is "
                          f"unknown; use one of {sorted(POLICY_LOSSES)} or register one with register_policy_loss")
-    if arr.actor.policy_loss.loss_mode == "gspo" and arr.actor.loss_agg_mode != "seq-mean-token-mean":
-        # GSPO's loss is a mean over sequences; the micro-batch weights follow loss_agg_mode.
-        raise ConfigError(f"policy_loss.loss_mode='gspo' averages over sequences: set actor_rollout_ref.actor."
-                         f"loss_agg_mode=seq-mean-token-mean (got {arr.actor.loss_agg_mode!r})")
+    required_agg = POLICY_LOSSES[arr.actor.policy_loss.loss_mode].loss_agg_mode
+    if required_agg is not None and arr.actor.loss_agg_mode != required_agg:
+        # Such a loss aggregates its own way; the micro-batch weights follow loss_agg_mode.
+        raise ConfigError(f"policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} aggregates with "
+                         f"{required_agg}: set actor_rollout_ref.actor.loss_agg_mode={required_agg} "
+                         f"(got {arr.actor.loss_agg_mode!r})")
     if cfg.data.train_batch_size < arr.actor.ppo_mini_batch_size:
         raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
                          f"data.train_batch_size={cfg.data.train_batch_size}; lower the mini-batch size")

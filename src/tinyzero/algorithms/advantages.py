@@ -9,12 +9,17 @@ groups. Deliberate differences from veRL: group statistics are computed in float
 rounded once (veRL accumulates in the score dtype), and the response mask is used as given
 (0/1 expected, as in veRL).
 
-A new estimator is one decorated function:
+A new estimator is one decorated function; its registry entry says what the trainer must
+provide (the config checks and the trainer read these flags, never a list of names):
 
-    @register_adv_est("my_estimator")
+    @register_adv_est("my_estimator", needs_groups=True)
     def my_estimator(token_level_rewards, response_mask, index, **kwargs):
         ...
         return advantages, returns          # both (batch, response_len)
+
+needs_groups: compares the responses of one prompt (uid groups): rollout.n >= 2 is required.
+needs_critic: reads `values`: the run trains a value model.
+needs_baseline: reads `reward_baselines`: the trainer scores a greedy rollout per prompt (ReMax).
 
 Shape legend: B = batch (responses), R = response_len, G = number of uid groups.
 """
@@ -22,6 +27,7 @@ Shape legend: B = batch (responses), R = response_len, G = number of uid groups.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -32,28 +38,47 @@ from tinyzero.kernels import discounted_returns, gae_advantage_return, group_ids
 from .functional import masked_whiten
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 
 
-def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+@dataclass(frozen=True)
+class AdvEstimatorSpec:
+    """A registry entry: the estimator and what it needs from the trainer (see the module docstring)."""
+
+    name: str
+    fn: AdvantageFn
+    needs_groups: bool = False
+    needs_critic: bool = False
+    needs_baseline: bool = False
+
+
+ADV_ESTIMATORS: dict[str, AdvEstimatorSpec] = {}
+
+
+def register_adv_est(name: str, *, needs_groups: bool = False, needs_critic: bool = False,
+                     needs_baseline: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator: register an advantage estimator under `name` (a name may be bound once)."""
     name = getattr(name, "value", name)
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered ({ADV_ESTIMATORS[name]})")
-        ADV_ESTIMATORS[name] = fn
+        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name].fn is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered ({ADV_ESTIMATORS[name].fn})")
+        ADV_ESTIMATORS[name] = AdvEstimatorSpec(name, fn, needs_groups, needs_critic, needs_baseline)
         return fn
 
     return decorator
 
 
-def get_adv_estimator_fn(name: str) -> AdvantageFn:
-    """The estimator registered under `name`; ValueError listing the known names otherwise."""
+def get_adv_estimator_spec(name: str) -> AdvEstimatorSpec:
+    """The registry entry of `name`; ValueError listing the known names otherwise."""
     name = getattr(name, "value", name)
     if name not in ADV_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADV_ESTIMATORS)}")
     return ADV_ESTIMATORS[name]
+
+
+def get_adv_estimator_fn(name: str) -> AdvantageFn:
+    """The estimator registered under `name`; ValueError listing the known names otherwise."""
+    return get_adv_estimator_spec(name).fn
 
 
 def _scores_and_groups(token_level_rewards: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -64,7 +89,7 @@ def _scores_and_groups(token_level_rewards: torch.Tensor, index) -> tuple[torch.
     return scores, ids, num_groups
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
                                  response_mask: torch.Tensor, gamma: float, lam: float, **kwargs):
@@ -79,7 +104,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
     return advantages, returns
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
                                    epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, **kwargs):
@@ -97,7 +122,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_groups=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
                                    epsilon: float = 1e-6, **kwargs):
@@ -115,7 +140,7 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", needs_groups=True)
 @torch.no_grad()
 def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
                                   epsilon: float = 1e-6, **kwargs):
@@ -131,7 +156,7 @@ def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     return advantages, advantages
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", needs_groups=True)
 @torch.no_grad()
 def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
                                   f_norm: float = 1.0, **kwargs):
@@ -148,7 +173,7 @@ def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     return advantages, advantages
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", needs_groups=True)
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
                                          epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, **kwargs):
@@ -180,7 +205,7 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, resp
     return advantages, advantages
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
                                                            response_mask: torch.Tensor, index,
@@ -209,7 +234,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     return advantages, returns
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_baseline=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor,
                                     response_mask: torch.Tensor, **kwargs):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .kl import KL_ESTIMATORS
+
 KL_CONTROL_TYPES = ("fixed", "adaptive")
-KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 @dataclass
@@ -45,7 +46,9 @@ class AlgorithmConfig:
     """GAE lambda (in [0, 1])."""
     adv_estimator: str = "gae"
     """Advantage estimator by registry name: gae, grpo, grpo_passk, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax, opo, gpg (or any name added with register_adv_est)."""
+    reinforce_plus_plus_baseline, remax, opo, gpg (or any name added with register_adv_est). Its registry
+    entry decides the rest: gae trains a critic, group estimators need rollout.n >= 2, remax scores a
+    greedy baseline rollout per prompt."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group std; False gives Dr. GRPO (mean-centred only)."""
     use_kl_in_reward: bool = False
@@ -67,6 +70,6 @@ class AlgorithmConfig:
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(f"algorithm.adv_estimator={self.adv_estimator!r} is unknown; use one of "
                              f"{sorted(ADV_ESTIMATORS)} or register one with register_adv_est")
-        if self.kl_penalty not in KL_PENALTY_TYPES:
+        if self.kl_penalty not in KL_ESTIMATORS:
             raise ValueError(f"algorithm.kl_penalty={self.kl_penalty!r} is unknown; use one of "
-                             f"{list(KL_PENALTY_TYPES)}")
+                             f"{list(KL_ESTIMATORS)}")

@@ -15,38 +15,52 @@ A trailing "+" (e.g. "k3+") keeps the forward value but takes the gradient of k2
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .functional import masked_mean
 
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+def _k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    return logprob - ref_logprob
+
+
+def _abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    return (logprob - ref_logprob).abs()
+
+
+def _k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    log_ratio = torch.clamp(ref_logprob - logprob, min=-20, max=20)  # clamp for numerical stability
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
+
+
+# The KL estimators by name (aliases share an entry): the one table every config check reads.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3,
+}
 
 
 def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind in ("kl", "k1"):
-        return logprob - ref_logprob
-    if kind == "abs":
-        return (logprob - ref_logprob).abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * (logprob - ref_logprob).square()
-    if kind in ("low_var_kl", "k3"):
-        log_ratio = torch.clamp(ref_logprob - logprob, min=-20, max=20)  # clamp for numerical stability
-        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
     if kind == "full":
         raise ValueError("kl_penalty 'full' needs log-probs over the whole vocabulary, which the trainer does "
                          "not keep; use one of " + ", ".join(KL_ESTIMATORS))
-    raise ValueError(f"unknown kl_penalty {kind!r}; use one of {list(KL_ESTIMATORS)} (optionally with '+')")
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_penalty {kind!r}; use one of {list(KL_ESTIMATORS)} (optionally with '+')")
+    return KL_ESTIMATORS[kind](logprob, ref_logprob)
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
     """Per-token KL estimate (same shape as the inputs); see the module docstring for the kinds."""
     forward = _kl_forward(logprob, ref_logprob, kl_penalty.rstrip("+"))
-    if not kl_penalty.endswith("+") or kl_penalty.rstrip("+") in ("mse", "k2"):
+    if not kl_penalty.endswith("+") or KL_ESTIMATORS[kl_penalty.rstrip("+")] is _k2:
         return forward
-    backward = 0.5 * (logprob - ref_logprob).square()
+    backward = _k2(logprob, ref_logprob)
     return backward - backward.detach() + forward.detach()
 
 

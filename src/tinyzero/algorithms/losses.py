@@ -11,7 +11,7 @@ returns are tensors so metrics stay on the device until the worker logs them; th
 4-tuple veRL 0.5 returned (current veRL returns (loss, dict of floats), which forces a device
 sync per micro-batch). A new loss is one decorated function:
 
-    @register_policy_loss("my_loss")
+    @register_policy_loss("my_loss")          # loss_agg_mode="...": the aggregation it requires
     def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                 config=None, rollout_log_probs=None): ...
 
@@ -20,6 +20,7 @@ Shape legend: B = batch, R = response_len; every (B, R) tensor is right-padded b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -28,28 +29,93 @@ from tinyzero.kernels import entropy_from_logits
 
 from .functional import clip_by_value, masked_mean, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register a policy loss under `name`."""
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """A registry entry: the loss and the aggregation it requires (None: any of LOSS_AGG_MODES).
+
+    A loss that requires an aggregation computes its value with it whatever loss_agg_mode says,
+    so the config must name the same mode: the micro-batch weights follow loss_agg_mode.
+    """
+
+    name: str
+    fn: PolicyLossFn
+    loss_agg_mode: str | None = None
+
+
+POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+
+
+def register_policy_loss(name: str, *, loss_agg_mode: str | None = None,
+                         replace: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a policy loss under `name`; `loss_agg_mode` is the aggregation it requires.
+
+    A name is bound once unless `replace` (a loss rebuilt per run with new constants, such as DPO's).
+    """
+    if loss_agg_mode is not None and loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"register_policy_loss({name!r}): loss_agg_mode={loss_agg_mode!r} is unknown; use one "
+                         f"of {list(LOSS_AGG_MODES)}")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name]})")
-        POLICY_LOSSES[name] = fn
+        if not replace and name in POLICY_LOSSES and POLICY_LOSSES[name].fn is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].fn})")
+        POLICY_LOSSES[name] = PolicyLossSpec(name, fn, loss_agg_mode)
         return fn
 
     return decorator
 
 
-def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """The policy loss registered under `name`; ValueError listing the known names otherwise."""
+def get_policy_loss_spec(name: str) -> PolicyLossSpec:
+    """The registry entry of `name`; ValueError listing the known names otherwise."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    """The policy loss registered under `name`; ValueError listing the known names otherwise."""
+    return get_policy_loss_spec(name).fn
+
+
+def _token_mean(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor):
+    if batch_num_tokens is None:
+        batch_num_tokens = loss_mask.sum()
+    return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+
+
+def _seq_mean_token_sum(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor):
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)  # (B,)
+    seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()  # empty sequences do not count
+    if global_batch_size is None:
+        global_batch_size = seq_mask.sum()
+    return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+
+
+def _seq_mean_token_mean(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor):
+    seq_tokens = torch.sum(loss_mask, dim=-1)  # (B,)
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_tokens + 1e-8)
+    seq_mask = (seq_tokens > 0).float()
+    if global_batch_size is None:
+        global_batch_size = seq_mask.sum()
+    return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+
+
+def _seq_mean_token_sum_norm(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor):
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)  # (B,)
+    if loss_scale_factor is None:
+        loss_scale_factor = loss_mask.shape[-1]
+    return torch.sum(seq_losses) / loss_scale_factor
+
+
+# The aggregation modes: the one table every config check and loss reads (the order is veRL's).
+LOSS_AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
 
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
@@ -64,29 +130,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     dp_size, batch_num_tokens and global_batch_size make the micro-batch loss a share of a
     global-batch loss (veRL's convention); the defaults give the plain local aggregate.
     """
-    if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            batch_num_tokens = loss_mask.sum()
-        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
-    if loss_agg_mode == "seq-mean-token-sum":
-        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)  # (B,)
-        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()  # empty sequences do not count
-        if global_batch_size is None:
-            global_batch_size = seq_mask.sum()
-        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
-    if loss_agg_mode == "seq-mean-token-mean":
-        seq_tokens = torch.sum(loss_mask, dim=-1)  # (B,)
-        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_tokens + 1e-8)
-        seq_mask = (seq_tokens > 0).float()
-        if global_batch_size is None:
-            global_batch_size = seq_mask.sum()
-        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
-        if loss_scale_factor is None:
-            loss_scale_factor = loss_mask.shape[-1]
-        return torch.sum(seq_losses) / loss_scale_factor
-    raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; use one of {list(LOSS_AGG_MODES)}")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; use one of {list(LOSS_AGG_MODES)}")
+    return LOSS_AGG_MODES[loss_agg_mode](loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size,
+                                         loss_scale_factor)
 
 
 def _clip_params(config: Any) -> tuple[float, float, float]:
@@ -147,7 +194,7 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", loss_agg_mode="seq-mean-token-mean")
 def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
                              loss_agg_mode="seq-mean-token-mean", config=None, rollout_log_probs=None):
     """GSPO (Zheng et al. 2025): clip the length-normalised sequence ratio; seq-mean-token-mean always.

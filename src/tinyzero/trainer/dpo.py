@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyzero.algorithms.losses import POLICY_LOSSES
+from tinyzero.algorithms import register_policy_loss
 from tinyzero.config import Config, ConfigError, check_world, to_dict
 from tinyzero.data import PairwiseDataset
 from tinyzero.distributed import get_rank, get_world_size
@@ -171,12 +171,14 @@ def build_dpo_trainer(cfg: Config) -> DPOTrainer:
         raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
     # The actor sees rows, two per pair: "rollout.n = 2" makes its mini-batch ppo_mini_batch_size pairs.
     arr.rollout.n = 2
+    # every row counts once, so micro-batch shares are pair shares; the registry entry says so too
+    register_policy_loss(LOSS_NAME, loss_agg_mode="seq-mean-token-mean", replace=True)(
+        make_dpo_policy_loss(cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.loss_type))
     arr.actor.policy_loss.loss_mode = LOSS_NAME
-    arr.actor.loss_agg_mode = "seq-mean-token-mean"  # every row counts once: micro shares are pair shares
+    arr.actor.loss_agg_mode = "seq-mean-token-mean"
     arr.actor.use_kl_loss = False
     arr.actor.entropy_coeff = 0.0
     arr.actor.ppo_epochs = 1
-    POLICY_LOSSES[LOSS_NAME] = make_dpo_policy_loss(cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.loss_type)
 
     tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
     _, val_ds, loader, total = build_datasets(cfg, tokenizer, PairwiseDataset)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
+from tinyzero.algorithms import LOSS_AGG_MODES
 from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.rollout.config import RolloutConfig
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 WARMUP_STYLES = ("constant", "cosine")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
