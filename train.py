@@ -74,10 +74,19 @@ def _after_report(code: int) -> int:
     return code
 
 
+def _debug_traceback() -> None:
+    """With TINYZERO_DEBUG=1, the traceback behind a one-line error."""
+    if os.environ.get("TINYZERO_DEBUG") == "1":
+        traceback.print_exc()
+
+
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError, parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
+    from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.ppo import NonFiniteError
+    from tinyzero.trainer.preemption import Preempted, install_stop_handlers, uninstall_stop_handlers
+    from tinyzero.trainer.runlock import RunFolderBusy, hold_run_folder
 
     # Config checks are the same on every rank, so only rank 0 reports them (once per job).
     quiet = get_rank() != 0
@@ -89,23 +98,35 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if not quiet and isinstance(e, ValueError):
             print(f"config error: {e}", file=sys.stderr, flush=True)
+            _debug_traceback()
         return _after_report(2)
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     init_distributed()
     try:
         set_seed(cfg.trainer.seed)
-        run(cfg)
+        with hold_run_folder(cfg.trainer.default_local_dir):  # before anything in the folder is written
+            if cfg.trainer.save_on_signal:
+                install_stop_handlers(cfg.trainer.signal_grace_s)
+            run(cfg)
         return 0
     except ConfigError as e:
         if get_rank() == 0:
             print(f"config error: {e}", file=sys.stderr, flush=True)
+            _debug_traceback()
         return _after_report(2)
+    except (RunFolderBusy, CheckpointSpaceError, Preempted) as e:
+        # Decided on rank 0 and shared (or agreed by a collective), so every rank raises it: rank 0 reports.
+        if get_rank() == 0:
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+            _debug_traceback()
+        return _after_report(getattr(e, "exit_code", 2))
     except ValueError as e:
         # An input the user can fix (a bad data row, a missing file): one line per rank that hit it.
         where = traceback.extract_tb(e.__traceback__)[-1]
         print(f"[rank {get_rank()}] error: {e}\n  (raised at {where.filename}:{where.lineno})", file=sys.stderr,
               flush=True)
+        _debug_traceback()
         return 2
     except NonFiniteError as e:
         # Not a bug to debug: the message says which step, what was non-finite and what to change.
@@ -117,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
+        uninstall_stop_handlers()
         cleanup()
 
 

@@ -351,8 +351,35 @@ def test_rollout_mismatch_metrics():
     ratio = (b["old"] - b["rollout"]).exp()
     assert m["training/rollout_tis_clip_frac"].item() == pytest.approx(
         ((ratio > 1.1).double() * b["mask"]).sum().item() / b["mask"].sum().item(), rel=1e-6)
+    log_diff = (b["old"] - b["rollout"]).abs()[valid]
+    assert m["training/rollout_log_probs_diff_mean"].item() == pytest.approx(log_diff.mean().item())
+    k3 = (ratio - (b["old"] - b["rollout"]) - 1)[valid]
+    assert m["training/rollout_k3_kl"].item() == pytest.approx(k3.mean().item())
     same = rollout_mismatch_metrics(b["old"], b["old"], b["mask"])
     assert same["training/rollout_probs_diff_max"].item() == 0.0 and same["training/rollout_k3_kl"].item() == 0.0
+    half = rollout_mismatch_metrics(b["old"].bfloat16(), b["rollout"].bfloat16(), b["mask"])
+    bf = {k: b[k].bfloat16().double() for k in ("old", "rollout")}  # upcast before the maths, not after
+    assert half["training/rollout_kl"].item() == pytest.approx(
+        masked_mean(bf["rollout"] - bf["old"], b["mask"]).item(), rel=1e-5)
+    empty = rollout_mismatch_metrics(b["old"], b["rollout"], torch.zeros_like(b["mask"]))
+    assert all(v.item() == 0.0 for v in empty.values())
+
+
+def test_data_metrics_log_the_rollout_mismatch():
+    from tinyzero.protocol import DataProto
+    from tinyzero.trainer.metrics import compute_data_metrics
+
+    b = make(6, torch.float32)
+    rows, resp = b["mask"].shape
+    data = DataProto.from_dict(tensors={
+        "responses": torch.zeros(rows, resp, dtype=torch.long),
+        "attention_mask": torch.cat([torch.ones(rows, 3, dtype=torch.long), b["mask"].long()], dim=-1),
+        "response_mask": b["mask"], "token_level_scores": torch.zeros(rows, resp),
+        "old_log_probs": b["old"], "rollout_log_probs": b["rollout"]})
+    out = compute_data_metrics(data, use_critic=False, tis_cap=1.1)
+    ref = rollout_mismatch_metrics(b["old"], b["rollout"], b["mask"], tis_cap=1.1)
+    assert {k: float(v) for k, v in ref.items()} == {k: out[k] for k in ref}
+    assert {"training/rollout_kl", "training/rollout_k3_kl", "training/rollout_tis_clip_frac"} <= set(out)
 
 
 def test_algorithm_config_validation():

@@ -59,8 +59,9 @@ def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, of
     import torch.distributed as dist
 
     from tinyzero.models.config import FSDPConfig, ModelConfig
-    from tinyzero.models.fsdp import clip_grad_norm_, load_sharded_model, make_fsdp_mesh, parallelize
+    from tinyzero.models.fsdp import load_sharded_model, make_fsdp_mesh, parallelize
     from tinyzero.models.loading import load_causal_lm
+    from tinyzero.workers.update import clip_grad_norm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     fsdp_cfg = FSDPConfig(fsdp_size=fsdp_size, offload_policy=offload_policy)
@@ -79,7 +80,7 @@ def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, of
     # Sum over the local rows / global row count: FSDP averages grads over ranks -> scale by world.
     loss = (logits.float().square().mean(-1) * mask[sl]).sum() / mask.sum() * world
     loss.backward()
-    norm = clip_grad_norm_(model, max_norm=1e9)
+    norm = clip_grad_norm(list(model.parameters()), max_norm=1e9)
     full_logits = [None] * world
     dist.all_gather_object(full_logits, logits.detach())
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}

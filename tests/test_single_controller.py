@@ -360,3 +360,19 @@ def test_rank_dependent_use_of_a_result_is_detected():
     assert results[1] == "did not use it"
     first_rank, message = results[0]
     assert first_rank == 1 and "did not within" in message and "ModeWorker.add" in message, message
+
+
+def test_docs_point_to_files_the_project_has():
+    """Every *.md a source docstring or comment names exists in the repository."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [p for d in ("src", "kernels", "configs", "bench") for p in (root / d).rglob("*.py")]
+    sources.append(root / "train.py")
+    missing = []
+    for path in sources:
+        for name in re.findall(r"[\w./-]+\.md\b", path.read_text()):
+            if not any((root / base / name).exists() for base in (".", "docs")):
+                missing.append(f"{path.relative_to(root)}: {name}")
+    assert not missing, missing

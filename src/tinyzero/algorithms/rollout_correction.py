@@ -30,25 +30,29 @@ def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, re
 @torch.no_grad()
 def rollout_mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                              response_mask: torch.Tensor, tis_cap: float | None = None) -> dict[str, torch.Tensor]:
-    """Metrics (0-d tensors) comparing trainer (old) and rollout log-probs over valid tokens.
+    """Metrics (0-d tensors, float32 or wider) comparing trainer (old) and rollout log-probs over valid tokens.
 
     training/rollout_probs_diff_{max,mean,std}: |p_train - p_rollout| per token (veRL names);
+    training/rollout_log_probs_diff_mean: mean |log p_train - log p_rollout|;
     training/rollout_kl: mean of (rollout - train) log-prob (KL(rollout || train) estimate);
     training/rollout_k3_kl: mean of r - log r - 1 with r = p_train / p_rollout;
-    training/rollout_tis_clip_frac: share of tokens whose ratio exceeds tis_cap (if given).
+    training/rollout_tis_clip_frac: share of tokens whose ratio exceeds tis_cap (if given, > 0).
+    Inputs are (B, R) in any float dtype (bf16 / fp16 from an engine is upcast to float32).
     """
+    dtype = torch.promote_types(torch.promote_types(old_log_probs.dtype, rollout_log_probs.dtype), torch.float32)
+    old_log_probs, rollout_log_probs = old_log_probs.to(dtype), rollout_log_probs.to(dtype)
     valid = response_mask.bool()
+    names = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std",
+             "training/rollout_log_probs_diff_mean", "training/rollout_kl", "training/rollout_k3_kl")
     if not valid.any():
-        zero = torch.zeros((), device=old_log_probs.device)
-        return {"training/rollout_probs_diff_max": zero, "training/rollout_probs_diff_mean": zero,
-                "training/rollout_probs_diff_std": zero, "training/rollout_kl": zero,
-                "training/rollout_k3_kl": zero}
+        return {name: torch.zeros((), device=old_log_probs.device) for name in names}
     diff = torch.abs(torch.exp(rollout_log_probs) - torch.exp(old_log_probs))[valid]  # (valid tokens,)
     log_ratio = old_log_probs - rollout_log_probs  # (B, R)
     metrics = {
         "training/rollout_probs_diff_max": diff.max(),
         "training/rollout_probs_diff_mean": diff.mean(),
         "training/rollout_probs_diff_std": diff.std() if diff.numel() > 1 else torch.zeros_like(diff.mean()),
+        "training/rollout_log_probs_diff_mean": masked_mean(log_ratio.abs(), response_mask),
         "training/rollout_kl": masked_mean(-log_ratio, response_mask),
         "training/rollout_k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, response_mask),
     }

@@ -5,7 +5,7 @@
                              pick_dtype, pick_attn_implementation
     tinyzero.models.value    load_value_model (critic), load_reward_model
     tinyzero.models.fsdp     parallelize, load_sharded_model (meta init + rank-0 broadcast),
-                             offload / load helpers, clip_grad_norm_
+                             offload / load helpers
     tinyzero.models.config   ModelConfig, FSDPConfig, MixedPrecisionConfig
 
 Submodules are imported on use so that `import tinyzero.models` stays light.

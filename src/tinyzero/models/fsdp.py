@@ -259,20 +259,3 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> N
                 state[key] = value.to(device, non_blocking=device.type == "cpu")
     if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-# --------------------------------------------------------------------------- gradients
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients of a (possibly FSDP2-sharded) model; return the total norm before clipping (a plain tensor).
-
-    A non-finite norm is returned as is and the gradients are left untouched (the caller skips the step).
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm

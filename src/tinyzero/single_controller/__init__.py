@@ -2,7 +2,8 @@
 
 Every rank runs the same driver; `wg.method(batch)` dispatches, executes and collects inside
 the WorkerGroup's ResourcePool and hands the result to every rank (lazily to ranks outside
-the pool, so roles on disjoint pools overlap). See DESIGN.md, "The SPMD single controller".
+the pool, so roles on disjoint pools overlap). README.md ("How it is built") shows a worked example;
+decorator.py lists the dispatch modes and worker_group.py the call path.
 
 Environment switches: TINYZERO_CHECK_SPMD=1 (check every rank makes the same calls with the
 same arguments), TINYZERO_COLLECTIVE_TIMEOUT_S (pool collectives and result waits),

@@ -70,7 +70,6 @@ class MethodSpec:
 
     dispatch_mode: Dispatch | None
     execute_mode: Execute
-    blocking: bool
     mesh_name: str | None
     dispatch_fn: Callable | None = None
     collect_fn: Callable | None = None
@@ -80,21 +79,21 @@ def register(dispatch_mode: Dispatch | dict = Dispatch.ALL_TO_ALL, execute_mode:
              blocking: bool = True, mesh_name: str | None = None, materialize_futures: bool = True):
     """Mark a Worker method as callable through a WorkerGroup.
 
-    `blocking` and `materialize_futures` are accepted for veRL compatibility: worker methods
-    always run at call time on the pool's ranks, and a result only travels to ranks outside
-    the pool when it is first used (see WorkerGroup).
+    `blocking` and `materialize_futures` are accepted for veRL compatibility and ignored: worker
+    methods always run at call time on the pool's ranks, and a result only travels to ranks
+    outside the pool when it is first used (see WorkerGroup).
     """
-    del materialize_futures  # arguments are always materialized before dispatch
+    del blocking, materialize_futures  # arguments are always materialized before dispatch
     if isinstance(dispatch_mode, dict):
         missing = {"dispatch_fn", "collect_fn"} - set(dispatch_mode)
         if missing:
             raise ValueError(f"register: a custom dispatch mode needs keys {sorted(missing)}; "
                              "pass {'dispatch_fn': f, 'collect_fn': g}")
         mesh = dispatch_mode.get("mesh_name", mesh_name)
-        spec = MethodSpec(None, Execute(execute_mode), blocking, mesh,
+        spec = MethodSpec(None, Execute(execute_mode), mesh,
                           dispatch_mode["dispatch_fn"], dispatch_mode["collect_fn"])
     elif isinstance(dispatch_mode, Dispatch):
-        spec = MethodSpec(dispatch_mode, Execute(execute_mode), blocking, mesh_name)
+        spec = MethodSpec(dispatch_mode, Execute(execute_mode), mesh_name)
     else:
         raise ValueError(f"register: dispatch_mode must be a Dispatch or a dict with dispatch_fn/collect_fn, "
                          f"got {dispatch_mode!r}")
@@ -134,7 +133,7 @@ class _NdProto:
 def resolve_spec(spec: MethodSpec) -> MethodSpec:
     """Turn veRL's nd-dispatch dict into the built-in DP_COMPUTE_PROTO with a mesh name."""
     if isinstance(spec.dispatch_fn, _NdProto):
-        return MethodSpec(Dispatch.DP_COMPUTE_PROTO, spec.execute_mode, spec.blocking, spec.dispatch_fn.mesh_name)
+        return MethodSpec(Dispatch.DP_COMPUTE_PROTO, spec.execute_mode, spec.dispatch_fn.mesh_name)
     return spec
 
 

@@ -124,13 +124,13 @@ class WorkerGroup:
     # ------------------------------------------------------------------ veRL-style generic calls
     def execute_all(self, method_name: str, *args, **kwargs):
         """Run method_name on every worker (list args of length world_size are split); lazy list of outputs."""
-        return self._call(method_name, MethodSpec(Dispatch.ALL_TO_ALL, Execute.ALL, False, None), args, kwargs)
+        return self._call(method_name, MethodSpec(Dispatch.ALL_TO_ALL, Execute.ALL, None), args, kwargs)
 
     def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
         return materialize(self.execute_all(method_name, *args, **kwargs))
 
     def execute_rank_zero_async(self, method_name: str, *args, **kwargs):
-        return self._call(method_name, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, False, None), args, kwargs)
+        return self._call(method_name, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, None), args, kwargs)
 
     def execute_rank_zero(self, method_name: str, *args, **kwargs):
         """Run method_name on pool rank 0 only; its output, on every rank."""

@@ -14,18 +14,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tinyzero.config import (
     Config,
     ConfigError,
     check_model_context,
     check_world,
-    dump_yaml,
     pool_sizes,
     sync_derived_fields,
     to_dict,
 )
 from tinyzero.data import RLHFDataset, StatefulDataLoader
-from tinyzero.distributed import get_device, get_rank, get_world_size
+from tinyzero.distributed import get_device, get_rank, get_world_size, is_distributed
 from tinyzero.models.loading import check_model_path, load_hf_config, load_tokenizer
 from tinyzero.rewards.manager import RewardManager
 from tinyzero.single_controller import (
@@ -34,8 +35,10 @@ from tinyzero.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
+from tinyzero.trainer.checkpoint import CheckpointManager
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.ppo import PPOTrainer
+from tinyzero.trainer.run_config import write_config
 from tinyzero.workers.actor_worker import ActorRolloutRefWorker
 from tinyzero.workers.critic_worker import CriticWorker
 from tinyzero.workers.reward_model import RewardModelWorker
@@ -73,12 +76,34 @@ def build_datasets(cfg: Config, tokenizer, dataset_cls):
 
 
 def write_run_config(cfg: Config) -> str:
-    """Create the run folder and write the resolved config.yaml (rank 0); returns the folder."""
+    """Create the run folder and write the resolved config.yaml (rank 0); returns the folder.
+
+    A resume whose config changes the training is refused on every rank (trainer.run_config).
+    """
     run_dir = cfg.trainer.default_local_dir
+    error = [None]
     if get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+        try:
+            write_config(cfg, run_dir, _resumed_config_path(cfg))
+        except ConfigError as e:
+            error[0] = str(e)
+    if is_distributed() and get_world_size() > 1:
+        torch.distributed.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ConfigError(error[0])
     return run_dir
+
+
+def _resumed_config_path(cfg: Config) -> str | None:
+    """The config.yaml of the run this one resumes, or None when it starts fresh."""
+    trainer = cfg.trainer
+    if trainer.resume_mode == "resume_path":
+        return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(trainer.resume_from_path))),
+                            "config.yaml")
+    if trainer.resume_mode == "auto" and CheckpointManager(os.path.join(trainer.default_local_dir,
+                                                                        "checkpoints")).checkpoints():
+        return os.path.join(trainer.default_local_dir, "config.yaml")
+    return None
 
 
 def build_roles(cfg: Config, world_size: int) -> Roles:

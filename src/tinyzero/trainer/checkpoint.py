@@ -28,6 +28,8 @@ ranks that did not exist are derived from (step, rank) with a warning.
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -84,6 +86,50 @@ def _sha256(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+# Room a save needs beyond the last checkpoint's size (new files may be a little larger).
+SPACE_MARGIN_FRACTION = 0.05
+SPACE_MARGIN_BYTES = 16 << 20
+
+
+class CheckpointSpaceError(RuntimeError):
+    """Not enough disk space to save; the previous checkpoint is untouched. Every rank raises it."""
+
+
+def _is_no_space(exc: BaseException | None) -> bool:
+    """Whether an exception (or its cause, context, or a DCP per-rank failure) is ENOSPC."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        failures = getattr(exc, "failures", None)  # torch's CheckpointException: {rank: exception}
+        if isinstance(failures, dict) and any(_is_no_space(f) for f in failures.values()
+                                              if isinstance(f, BaseException)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for d, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(d, n))
+    return total
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is True on any (world group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def step_of(path: str) -> int:
     """The global step of a `global_step_N` folder."""
     m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
@@ -129,14 +175,66 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def begin_save(self, step: int) -> str:
         """Create the temporary folder of step `step` and return its path (identical on every rank)."""
-        name = [None]
+        name = [None, None]  # [temporary folder, error]
         if _rank() == 0:
             os.makedirs(self.root, exist_ok=True)
             self._remove_stale_tmp()
-            name[0] = tempfile.mkdtemp(prefix=f"global_step_{step}.tmp-", dir=self.root)
+            name[1] = self._space_error(step)
+            if name[1] is None:
+                name[0] = tempfile.mkdtemp(prefix=f"global_step_{step}.tmp-", dir=self.root)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(name, src=0)
+        if name[1] is not None:
+            raise CheckpointSpaceError(name[1])
         return name[0]
+
+    def _space_error(self, step: int, written: int = 0) -> str | None:
+        """One line if the disk under root cannot hold another checkpoint the size of the last one."""
+        previous = self.checkpoints()
+        last_bytes = 0
+        if previous:
+            with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):
+                with open(os.path.join(previous[0][1], MARKER)) as f:
+                    last_bytes = sum(int(v["size"]) for v in json.load(f)["files"].values())
+        needed = int(max(last_bytes, written) * (1 + SPACE_MARGIN_FRACTION)) + SPACE_MARGIN_BYTES
+        free = shutil.disk_usage(self.root).free
+        if free >= needed and not written:
+            return None
+        intact = f"the previous checkpoint {previous[0][1]} is intact" if previous else "no earlier checkpoint exists"
+        return (f"not enough disk space to save step {step} in {self.root}: {needed} bytes needed, {free} free; "
+                f"{intact}. Free space or set trainer.default_local_dir on a larger disk")
+
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        """begin_save / finalize around the body, which writes into the yielded folder (every rank).
+
+        Every rank agrees on the outcome first: if the body failed anywhere, the temporary folder is
+        dropped on all ranks and the error is raised on all of them (CheckpointSpaceError in one line
+        when the disk is full), so the previous checkpoint stays the latest and no rank waits forever.
+        """
+        tmp = self.begin_save(step)
+        error = None
+        try:
+            yield tmp
+        except Exception as e:  # noqa: BLE001 - re-raised below once every rank knows
+            error = e
+        if not _any_rank(error is not None):
+            self.finalize(step, tmp)
+            return
+        # Some writers (torch.save) do not say ENOSPC: a nearly full disk counts as the reason too.
+        any_enospc = _any_rank(_is_no_space(error))
+        space = [None]
+        if _rank() == 0 and (any_enospc or shutil.disk_usage(self.root).free < SPACE_MARGIN_BYTES):
+            space[0] = self._space_error(step, written=_tree_bytes(tmp))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(space, src=0)
+        self.abort(tmp)
+        if space[0] is not None:
+            raise CheckpointSpaceError(space[0]) from error
+        if error is not None:
+            raise error
+        raise RuntimeError(f"saving step {step} failed on another rank (its error is above); the previous "
+                           "checkpoint is intact")
 
     def finalize(self, step: int, tmp_dir: str, extra: dict | None = None) -> str:
         """Seal `tmp_dir` (after every rank wrote its part) as `<root>/global_step_<step>`; return that path.
@@ -321,14 +419,15 @@ def load_state(
 
     Returns the `extra` dict, or None if none was saved.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tinyzero.trainer.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     if not os.path.isfile(os.path.join(role_dir, ".metadata")):
         raise ValueError(f"{role_dir!r} holds no DCP checkpoint (.metadata missing)")
     if optimizer is not None:
-        saved_keys = FileSystemReader(role_dir).read_metadata().state_dict_metadata
+        saved_keys = SafeFileSystemReader(role_dir).read_metadata().state_dict_metadata
         if not any(k.startswith("optim.") for k in saved_keys):
             raise ValueError(f"{role_dir!r} was saved without optimizer state; load it with optimizer=None "
                              "(the optimizer then starts fresh)")
@@ -336,8 +435,8 @@ def load_state(
     state = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
-    dcp_load(state, storage_reader=FileSystemReader(role_dir), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    dcp_load(state, storage_reader=SafeFileSystemReader(role_dir), planner=SafeLoadPlanner(),
+             process_group=process_group, no_dist=not dist.is_initialized())
     set_state_dict(model, [optimizer] if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
     if lr_scheduler is not None:

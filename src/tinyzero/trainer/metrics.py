@@ -18,12 +18,15 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from tinyzero.algorithms import rollout_mismatch_metrics
+from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
 
 
 @contextmanager
 def timer(name: str, timing: dict[str, float]):
-    """Add the wall time of the block to timing[name] (seconds)."""
+    """Add the wall time of the block to timing[name] (seconds); the phase counts as progress."""
+    report_progress(name)
     start = time.perf_counter()
     try:
         yield
@@ -47,8 +50,9 @@ def _lengths(batch: DataProto) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return prompt_mask.sum(-1).float(), response_mask.sum(-1).float(), prompt_mask.shape[-1], max_resp
 
 
-def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
-    """critic/score|rewards|advantages|returns|values, response_length/*, prompt_length/* (veRL)."""
+def compute_data_metrics(batch: DataProto, use_critic: bool, tis_cap: float | None = None) -> dict[str, float]:
+    """critic/score|rewards|advantages|returns|values, response_length/*, prompt_length/* (veRL), and
+    training/rollout_* (see algorithms.rollout_mismatch_metrics; tis_cap: the actor's tis_imp_ratio_cap)."""
     b = batch.batch
     prompt_len, response_len, max_prompt, max_resp = _lengths(batch)
     mask = (b["response_mask"] if "response_mask" in b else b["attention_mask"][:, -max_resp:]).bool()
@@ -70,24 +74,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     out.update(_stats("prompt_length", prompt_len))
     out["prompt_length/clip_ratio"] = (prompt_len >= max_prompt).float().mean()
     if "rollout_log_probs" in b and "old_log_probs" in b:
-        out.update(rollout_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"], mask))
+        out.update(rollout_mismatch_metrics(b["old_log_probs"], b["rollout_log_probs"], mask, tis_cap))
     return {k: float(v) for k, v in out.items()}
-
-
-def rollout_mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                             mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How far the sampler's token probabilities are from the trainer's (veRL: training/rollout_probs_diff_*)."""
-    mask = mask.bool()
-    if not mask.any():
-        return {}
-    diff = torch.masked_select((rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs(), mask)
-    log_diff = torch.masked_select((rollout_log_probs.float() - old_log_probs.float()).abs(), mask)
-    return {
-        "training/rollout_probs_diff_max": diff.max(),
-        "training/rollout_probs_diff_mean": diff.mean(),
-        "training/rollout_probs_diff_std": diff.std() if diff.numel() > 1 else torch.zeros(()),
-        "training/rollout_log_probs_diff_mean": log_diff.mean(),
-    }
 
 
 def compute_timing_metrics(batch: DataProto, timing: dict[str, float]) -> dict[str, float]:

@@ -253,7 +253,8 @@ class PPOTrainer:
         return metrics
 
     def step_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
-        out = compute_data_metrics(batch, use_critic=self.roles.critic is not None)
+        out = compute_data_metrics(batch, use_critic=self.roles.critic is not None,
+                                   tis_cap=self.config.actor_rollout_ref.actor.tis_imp_ratio_cap)
         out.update(compute_timing_metrics(batch, timing))
         out.update(compute_throughput_metrics(batch, timing, self.world_size))
         out.update(compute_mfu_metrics(batch, timing, self.hf_config, self.roles.actor_rollout_dp_size,

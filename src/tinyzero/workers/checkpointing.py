@@ -44,9 +44,9 @@ def load_role(worker, role, local_path: str) -> None:
 
 
 def _has_optimizer_state(local_path: str) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
+    from tinyzero.trainer.safe_dcp import SafeFileSystemReader
 
-    meta = FileSystemReader(local_path).read_metadata()
+    meta = SafeFileSystemReader(local_path).read_metadata()
     return any(key.startswith("optim.") for key in meta.state_dict_metadata)
 
 
