@@ -38,6 +38,8 @@ from tinyzero.trainer.metrics import (
     merge_worker_metrics,
     timer,
 )
+from tinyzero.trainer.preemption import finish as finish_on_signal
+from tinyzero.trainer.preemption import stop_requested
 from tinyzero.trainer.validation import validate
 
 
@@ -112,7 +114,8 @@ class PPOTrainer:
             # Log before saving: a kill in between redoes the step from the previous checkpoint
             # (the resumed run drops the step's line), never leaves a checkpoint without its line.
             self.tracker.log(metrics, step=self.global_step)
-            self.maybe_save()
+            saved = self.maybe_save()
+            self.stop_if_signalled(saved)
             last = metrics
         if self.config.trainer.export_hf:
             self.roles.actor_rollout.export_hf(os.path.join(self.config.trainer.default_local_dir, "hf_model"))
@@ -270,21 +273,30 @@ class PPOTrainer:
             self.tracker.log_samples(samples[:limit], step=self.global_step, split=split)
 
     # ------------------------------------------------------------------ checkpoints
-    def maybe_save(self) -> None:
+    def maybe_save(self) -> bool:
         freq = self.config.trainer.save_freq
         if self.global_step == self.total_steps or (freq > 0 and self.global_step % freq == 0):
             self.save_checkpoint()
+            return True
+        return False
+
+    def stop_if_signalled(self, saved: bool) -> None:
+        """After SIGTERM/SIGINT on any rank (trainer.save_on_signal): save this step unless done, then stop."""
+        signame = stop_requested()
+        if signame is not None and self.global_step < self.total_steps:
+            if not saved:
+                self.save_checkpoint()
+            raise finish_on_signal(signame, self.global_step, self.ckpt.root)
 
     def save_checkpoint(self) -> None:
         """Roles write their shards into a temporary folder; finalize seals it (atomic rename)."""
-        tmp = self.ckpt.begin_save(self.global_step)
-        self.roles.actor_rollout.save_checkpoint(f"{tmp}/actor", self.global_step)
-        if self.roles.critic is not None:
-            self.roles.critic.save_checkpoint(f"{tmp}/critic", self.global_step)
-        save_rng_state(tmp)
-        save_trainer_state(tmp, {"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
-                                 "kl_coef": float(self.kl_ctrl.value)})
-        self.ckpt.finalize(self.global_step, tmp)
+        with self.ckpt.saving(self.global_step) as tmp:
+            self.roles.actor_rollout.save_checkpoint(f"{tmp}/actor", self.global_step)
+            if self.roles.critic is not None:
+                self.roles.critic.save_checkpoint(f"{tmp}/critic", self.global_step)
+            save_rng_state(tmp)
+            save_trainer_state(tmp, {"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
+                                     "kl_coef": float(self.kl_ctrl.value)})
 
     def load_checkpoint(self) -> None:
         """resume_mode auto / resume_path: restore roles, data position, step, KL coefficient, RNG."""
