@@ -139,7 +139,8 @@ def test_adversarial_responses_score_in_bounded_time(body):
 @pytest.mark.parametrize("response,truth,method,expected", [
     ("so 2 + 3 = 5\n#### 5", "5", "strict", 1.0),
     ("#### 1,000", "1000", "strict", 1.0),
-    ("#### $42", "42", "strict", 1.0),
+    ("#### $42", "42", "strict", 0.0),  # veRL / TinyZero: "$" breaks the strict format
+    ("#### 42", "$42", "strict", 1.0),  # a "$" in the ground truth is dropped, as in veRL
     ("#### 4 then #### 5", "5", "strict", 1.0),
     ("the answer is 5", "5", "strict", 0.0),
     ("#### 6", "5", "strict", 0.0),

@@ -1,12 +1,20 @@
 """GSM8K reward: the final answer after "####" (strict) or the last number (flexible).
 
-strict:   the last "#### <number>" (an optional "$" allowed) in the response; commas removed.
+strict:   the last "#### <number>" in the response, commas removed. As in veRL and TinyZero the
+          number must follow "#### " directly: "#### $72" holds no strict answer and scores 0.
 flexible: the last number-looking run of digits, dots and commas that is not just "."; commas
           removed and trailing dots dropped ("... is 42." gives "42").
-The extracted string is compared with the ground truth (itself stripped of commas) as a
-string, as veRL does; a found-but-wrong answer scores `format_score` (0 by default).
-Only the last 10,000 characters are searched (veRL clips to 300): the answer sits at the end,
-and a 10 MB response then costs no more than a short one.
+The extracted string is compared with the ground truth as a string, as veRL does; a
+found-but-wrong answer scores `format_score` (0 by default).
+
+Where this differs from veRL's `gsm8k.py` (current veRL; TinyZero's older copy takes the first
+"####" match, not the last):
+1. Only the last 10,000 characters are searched (veRL clips to 300): the answer sits at the end,
+   and a 10 MB response then costs no more than a short one.
+2. flexible drops commas and trailing dots from the number ("1,234." gives "1234"); veRL compares
+   the raw run, so "... is 42." scores 0 there.
+3. The ground truth is stripped of commas and "$" before the comparison (veRL uses it as given;
+   the gsm8k preprocessing writes plain numbers, so the two agree on its data).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import re
 
 __all__ = ["compute_score", "score_details", "extract_solution"]
 
-_STRICT_RE = re.compile(r"#### \$?(\-?[0-9\.\,]+)")
+_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 _FLEXIBLE_RE = re.compile(r"(\-?[0-9\.\,]+)")
 _METHODS = ("strict", "flexible")
 _CLIP_CHARS = 10_000
