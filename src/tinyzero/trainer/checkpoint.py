@@ -89,6 +89,8 @@ def _sha256(path: str, chunk: int = 1 << 22) -> str:
 # Room a save needs beyond the last checkpoint's size (new files may be a little larger).
 SPACE_MARGIN_FRACTION = 0.05
 SPACE_MARGIN_BYTES = 16 << 20
+# A failed save with less free space than this is taken as a full disk (torch.save may not say ENOSPC).
+NEARLY_FULL_BYTES = 1 << 20
 
 
 class CheckpointSpaceError(RuntimeError):
@@ -216,7 +218,9 @@ class CheckpointManager:
         error = None
         try:
             yield tmp
-        except Exception as e:  # noqa: BLE001 - re-raised below once every rank knows
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; re-raised below
             error = e
         if not _any_rank(error is not None):
             self.finalize(step, tmp)
@@ -224,7 +228,7 @@ class CheckpointManager:
         # Some writers (torch.save) do not say ENOSPC: a nearly full disk counts as the reason too.
         any_enospc = _any_rank(_is_no_space(error))
         space = [None]
-        if _rank() == 0 and (any_enospc or shutil.disk_usage(self.root).free < SPACE_MARGIN_BYTES):
+        if _rank() == 0 and (any_enospc or shutil.disk_usage(self.root).free < NEARLY_FULL_BYTES):
             space[0] = self._space_error(step, written=_tree_bytes(tmp))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(space, src=0)
@@ -426,8 +430,9 @@ def load_state(
 
     if not os.path.isfile(os.path.join(role_dir, ".metadata")):
         raise ValueError(f"{role_dir!r} holds no DCP checkpoint (.metadata missing)")
+    # Read (restricted) before DCP does, so a crafted or corrupt .metadata fails here in one clear line.
+    saved_keys = SafeFileSystemReader(role_dir).read_metadata().state_dict_metadata
     if optimizer is not None:
-        saved_keys = SafeFileSystemReader(role_dir).read_metadata().state_dict_metadata
         if not any(k.startswith("optim.") for k in saved_keys):
             raise ValueError(f"{role_dir!r} was saved without optimizer state; load it with optimizer=None "
                              "(the optimizer then starts fresh)")
