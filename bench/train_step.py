@@ -2,6 +2,7 @@
 
     python bench/train_step.py                     # 8 prompts x 4 samples, 64 new tokens, 2 ranks
     python bench/train_step.py --steps 5 --nproc 2 --response-length 64
+    python bench/train_step.py --packing shared_prefix   # A/B: none | remove_padding | shared_prefix
 
 The run is what users launch (`torchrun --nproc_per_node 2 train.py --preset demo_cpu ...`),
 with the offline tiny model at its random initialisation (it rarely emits eos, so responses
@@ -26,10 +27,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("gen", "old_log_prob", "ref", "reward", "adv", "update_actor")
+PHASES = ("gen", "weight_sync", "old_log_prob", "ref", "reward", "adv", "update_actor")
+PACKING_FLAGS = {"none": (), "remove_padding": ("--actor_rollout_ref.model.use_remove_padding=true",),
+                 "shared_prefix": ("--actor_rollout_ref.model.use_shared_prefix=true",)}
 
 
-def run_steps(work: str, nproc: int, steps: int, prompts: int, samples: int, response_length: int) -> list[dict]:
+def run_steps(work: str, nproc: int, steps: int, prompts: int, samples: int, response_length: int,
+              packing: str = "none") -> list[dict]:
     """Launch train.py for `steps` GRPO steps; return the metrics rows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -44,7 +48,8 @@ def run_steps(work: str, nproc: int, steps: int, prompts: int, samples: int, res
            "--actor_rollout_ref.actor.optim.lr=1e-7",
            f"--trainer.total_training_steps={steps}", "--trainer.val_before_train=false",
            "--trainer.save_freq=-1", "--trainer.export_hf=false", "--trainer.plot=false",
-           "--trainer.progress_bar=false", "--trainer.resume_mode=disable", "--trainer.log_samples=0"]
+           "--trainer.progress_bar=false", "--trainer.resume_mode=disable", "--trainer.log_samples=0",
+           *PACKING_FLAGS[packing]]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"train.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--response-length", type=int, default=64)
+    p.add_argument("--packing", choices=sorted(PACKING_FLAGS), default="none",
+                   help="packed training passes (model.use_remove_padding / model.use_shared_prefix)")
     args = p.parse_args(argv)
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
@@ -71,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         build_tiny_model(os.path.join(work, "tiny_model"), seed=0)
         build_data(os.path.join(work, "data"))
         start = time.monotonic()
-        rows = run_steps(work, args.nproc, args.steps, args.prompts, args.samples, args.response_length)
+        rows = run_steps(work, args.nproc, args.steps, args.prompts, args.samples, args.response_length,
+                         args.packing)
         wall = time.monotonic() - start
     timed = rows[1:]
 
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  response_len {r['response_length/mean']:.1f}", flush=True)
     result = {
         "bench": "train_step", "algorithm": "grpo", "model": "tiny (offline, random init)", "device": "cpu",
-        "nproc": args.nproc, "prompts": args.prompts, "samples_per_prompt": args.samples,
+        "nproc": args.nproc, "packing": args.packing, "prompts": args.prompts, "samples_per_prompt": args.samples,
         "max_new_tokens": args.response_length, "steps_timed": len(timed),
         "step_s": med("timing_s/step"), "phases_s": phases,
         "gen_tokens_per_s": med("perf/gen_tokens_per_s"),

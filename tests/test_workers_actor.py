@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.workers_helpers import hf_response_log_probs, make_batch, reference_actor_loss
+from tests.workers_helpers import critic_step, hf_response_log_probs, make_batch, reference_actor_loss
 
 NUM_ROWS = 8
 LR = 1e-3
@@ -79,7 +79,6 @@ def actor_rank_fn(model_dir: str, variants: list[dict], ckpt_dir: str | None):
     """On every rank: one update per variant (fresh workers); rank 0 returns the results."""
     from tinyzero.distributed import init_distributed, set_seed
     from tinyzero.workers.actor_worker import ActorRolloutRefWorker
-    from tinyzero.workers.critic_worker import CriticWorker
 
     init_distributed()
     torch.set_num_threads(1)
@@ -106,17 +105,11 @@ def actor_rank_fn(model_dir: str, variants: list[dict], ckpt_dir: str | None):
                "log_probs": out.batch["old_log_probs"], "entropys": out.batch["entropys"],
                "ref_log_prob": ref_out.batch["ref_log_prob"], "rows": rows}
         # Critic: values, then one clipped value-loss update.
-        critic = CriticWorker(critic_cfg)
-        critic.init_model()
-        values = critic.compute_values(local).batch["values"]
-        local.batch["values"] = values + raw["noise_values"][rows] * local.batch["response_mask"]
-        res["values"] = values
-        res["critic_metrics"] = critic.update_critic(local).meta_info["metrics"]
-        res["critic_params"] = _full_params(critic.critic.model)
+        res.update(critic_step(critic_cfg, local, raw["noise_values"][rows], _full_params))
         if ckpt_dir is not None and v.get("checkpoint"):
             res["resume"] = _checkpoint_roundtrip(actor, arr_cfg, local, ckpt_dir)
         results.append(res)
-        del actor, ref, critic
+        del actor, ref
     return _portable(results) if int(os.environ["RANK"]) == 0 else None
 
 

@@ -81,3 +81,15 @@ def reference_actor_loss(model, batch: dict, clip_low: float, clip_high: float, 
     kld = (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
     kl_loss = aggregate(kld, mask, loss_agg_mode)
     return pg_loss - entropy_coeff * ent + kl_coef * kl_loss, pg_loss
+
+
+def critic_step(critic_cfg, local, noise_values: torch.Tensor, full_params) -> dict:
+    """A fresh CriticWorker's values of `local`, then one clipped value-loss update on noisy old values."""
+    from tinyzero.workers.critic_worker import CriticWorker
+
+    critic = CriticWorker(critic_cfg)
+    critic.init_model()
+    values = critic.compute_values(local).batch["values"]
+    local.batch["values"] = values + noise_values * local.batch["response_mask"]
+    return {"values": values, "critic_metrics": critic.update_critic(local).meta_info["metrics"],
+            "critic_params": full_params(critic.critic.model)}

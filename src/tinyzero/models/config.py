@@ -27,6 +27,13 @@ class ModelConfig:
     """Recompute decoder-layer activations in backward (activation checkpointing) to save memory."""
     override_config: dict = field(default_factory=dict)
     """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""
+    use_remove_padding: bool = False
+    """Packed training passes (log-probs, values, updates): several sequences share one row with a
+    block-diagonal causal mask, so padding is not computed (tinyzero.workers.packing)."""
+    use_shared_prefix: bool = False
+    """Packed training passes that also compute each group's shared prompt once: the n responses of a
+    prompt are packed as [prompt, response_1 .. response_n], each seeing the prompt and itself only.
+    Exact (same loss and gradients); implies use_remove_padding."""
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:

@@ -89,6 +89,10 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu tokens each) instead of log_prob_micro_batch_size_per_gpu rows."""
     log_prob_max_token_len_per_gpu: int = 16384
     """Token budget of one log-prob micro-batch on one rank when log_prob_use_dynamic_bsz is on."""
+    use_rollout_log_probs: bool = False
+    """Bypass mode (veRL): the engine's sampling-time log-probs serve as the PPO old log-probs and the
+    actor's old_log_prob pass is skipped. Exact only when the engine computes what the trainer would
+    (same weights, dtype, kernels); the update logs the gap (training/rollout_*_diff_mean)."""
     native_impl: str = "auto"
     """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
     Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""

@@ -37,12 +37,20 @@ def balanced_equal_partitions(lengths: list[int], num_parts: int) -> list[list[i
     return [sorted(p) for p in parts]
 
 
-def balance_batch(batch: DataProto, dp_size: int, metrics: dict | None = None) -> None:
-    """Reorder `batch` in place so its dp_size contiguous chunks carry near-equal token counts."""
+def balance_batch(batch: DataProto, dp_size: int, metrics: dict | None = None, group_size: int = 1) -> None:
+    """Reorder `batch` in place so its dp_size contiguous chunks carry near-equal token counts.
+
+    With `group_size` > 1, runs of `group_size` consecutive rows (a prompt's samples) move as one,
+    so shared-prefix packing finds each group on one rank; when the groups do not split evenly
+    over the ranks, rows move one by one.
+    """
     if dp_size <= 1:
         return
     lengths = batch.batch["attention_mask"].sum(-1).tolist()
-    parts = balanced_equal_partitions([int(x) for x in lengths], dp_size)
+    n = len(lengths)
+    g = group_size if group_size > 1 and n % group_size == 0 and (n // group_size) % dp_size == 0 else 1
+    groups = balanced_equal_partitions([int(sum(lengths[i:i + g])) for i in range(0, n, g)], dp_size)
+    parts = [[j * g + k for j in part for k in range(g)] for part in groups]
     batch.reorder(torch.tensor([i for part in parts for i in part]))
     if metrics is not None:
         sums = [sum(lengths[i] for i in part) for part in parts]

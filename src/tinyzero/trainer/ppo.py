@@ -142,21 +142,36 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ phases
     def rollout(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
-        """Generate n responses per prompt, then the actor's (and reference's, critic's) view of them."""
-        n = self.config.actor_rollout_ref.rollout.n
+        """Generate n responses per prompt, then the actor's (and reference's, critic's) view of them.
+
+        The weight sync inside generation is booked as its own phase (timing_s/weight_sync, out of
+        timing_s/gen). The old_log_prob pass runs only when old_log_prob_source() says "actor".
+        """
+        arr = self.config.actor_rollout_ref
+        n = arr.rollout.n
         gen_batch = batch.pop(batch_keys=list(GEN_KEYS), non_tensor_batch_keys=list(GEN_NON_TENSOR_KEYS))
         gen_batch.meta_info.update(self._gen_meta(do_sample=True))
         with timer("gen", timing):
             gen = self.roles.actor_rollout.generate_sequences(gen_batch)
-        metrics.update(pop_metrics(gen))
+        gen_metrics = pop_metrics(gen)
+        timing["weight_sync"] = gen_metrics.pop("timing_s/weight_sync", 0.0)
+        timing["gen"] -= timing["weight_sync"]
+        metrics.update(gen_metrics)
         batch = batch.repeat(n, interleave=True).union(gen)
         if self.config.trainer.balance_batch:
-            balance_batch(batch, self.roles.actor_rollout_dp_size, metrics)
+            # Shared-prefix packing saves most when a prompt's samples stay on one rank.
+            group = n if arr.model.use_shared_prefix else 1
+            balance_batch(batch, self.roles.actor_rollout_dp_size, metrics, group_size=group)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
-        with timer("old_log_prob", timing):
-            old = self.roles.actor_rollout.compute_log_prob(batch)
-            metrics.update(pop_metrics(old))
-            batch = batch.union(old)
+        source = self.old_log_prob_source()
+        batch.meta_info["old_log_probs_source"] = source
+        if source == "actor":
+            with timer("old_log_prob", timing):
+                old = self.roles.actor_rollout.compute_log_prob(batch)
+                metrics.update(pop_metrics(old))
+                batch = batch.union(old)
+        elif self.config.algorithm.use_kl_in_reward:  # the in-reward KL reads old_log_probs
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         if self.config.use_reference:
             with timer("ref", timing):
                 ref = self.roles.actor_rollout.compute_ref_log_prob(batch)
@@ -168,6 +183,23 @@ class PPOTrainer:
                 metrics.update(pop_metrics(values))
                 batch = batch.union(values)
         return batch
+
+    def old_log_prob_source(self) -> str:
+        """Where the PPO old log-probs come from this step.
+
+        "rollout" with rollout.use_rollout_log_probs (bypass mode: the sampler's log-probs);
+        "update" when the update is strictly on-policy (actor.ppo_epochs 1 and one mini-batch per
+        train batch, so one optimizer step, and no in-reward KL needing them earlier): the old
+        policy is the current one, the ratio is exactly 1, and the update uses its own log-probs
+        detached; "actor" otherwise (a separate compute_log_prob pass).
+        """
+        arr = self.config.actor_rollout_ref
+        if arr.rollout.use_rollout_log_probs:
+            return "rollout"
+        one_step = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == self.config.data.train_batch_size
+        if one_step and not self.config.algorithm.use_kl_in_reward:
+            return "update"
+        return "actor"
 
     def _gen_meta(self, do_sample: bool, validate: bool = False) -> dict:
         rollout = self.config.actor_rollout_ref.rollout

@@ -7,6 +7,21 @@ share of the mini-batch loss (see tinyzero.workers.scaling), so one optimizer st
 gradient does not depend on how the mini-batch is split over micro-batches and ranks.
 Metrics are mini-batch values reduced over the data-parallel group, averaged over the
 optimizer steps of the call.
+
+Where old log-probs come from (`data.meta_info["old_log_probs_source"]`, set by the trainer):
+- "actor" (default): the batch carries `old_log_probs` from a compute_log_prob pass.
+- "update": the update is strictly on-policy (one epoch, one mini-batch: a single optimizer
+  step), so the old policy is the current one and old log-probs are the update's own,
+  detached; the ratio is exactly 1 and no separate pass is needed. Checked here: anything but
+  one optimizer step is an error.
+- "rollout": veRL's bypass mode; the sampler's `rollout_log_probs` serve as old log-probs.
+In the last two the update reports actor/entropy from its own forward and, when the batch has
+rollout_log_probs, training/rollout_probs_diff_mean and training/rollout_log_probs_diff_mean
+measured before the first optimizer step (the compute_log_prob pass that measures them
+otherwise does not run).
+
+`packing` ("none", "remove_padding", "shared_prefix"; set by the worker from the model config)
+selects the packed forward of tinyzero.workers.packing for every pass.
 """
 
 from __future__ import annotations
@@ -28,14 +43,18 @@ from tinyzero.workers.update import (
 
 # The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
 _STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
-               "actor/entropy", "actor/kl_loss")
-_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss")
+               "actor/entropy", "actor/kl_loss", "training/rollout_probs_diff_mean",
+               "training/rollout_log_probs_diff_mean")
+_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss", "token", "token")
+_MISMATCH = slice(6, 8)  # the rollout/trainer mismatch stats: first mini-batch only
+OLD_LOG_PROB_SOURCES = ("actor", "update", "rollout")
 
 
 class PPOActor(TrainedModel):
     """Log-probs and PPO updates of one rank's share of the batch."""
 
     config: ActorConfig
+    packing: str = "none"
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -45,11 +64,12 @@ class PPOActor(TrainedModel):
         self.model.eval()
         keys = ["responses", "input_ids", "attention_mask", "position_ids"]
         data = data.select(batch_keys=keys)
-        micros, parts = make_micro_batches(data, micro_batch_size, use_dynamic_bsz, max_token_len, self.dp_group)
+        micros, parts = make_micro_batches(data, micro_batch_size, use_dynamic_bsz, max_token_len, self.dp_group,
+                                           self.packing)
         log_probs, entropys = [], []
         for micro in micros:
             batch = {k: v.to(self.device) for k, v in micro.batch.items()}
-            lp, ent = response_log_probs(self.model, batch, temperature, calculate_entropy)
+            lp, ent = response_log_probs(self.model, batch, temperature, calculate_entropy, self.packing)
             log_probs.append(lp.float().cpu())
             if ent is not None:
                 entropys.append(ent.float().cpu())
@@ -59,56 +79,80 @@ class PPOActor(TrainedModel):
         return log_probs, entropy
 
     # ------------------------------------------------------------------ update
-    def _micro_loss(self, batch: dict, temperature: float):
+    def _micro_loss(self, batch: dict, temperature: float, source: str = "actor"):
         """Loss of one micro-batch (agg_loss-normalised over the micro-batch) and its stats."""
-        from tinyzero.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+        from tinyzero.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
 
         cfg = self.config
         mask = batch["response_mask"].float()  # (b, R)
-        need_entropy = cfg.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(self.model, batch, temperature, need_entropy)
+        need_entropy = cfg.entropy_coeff != 0 or source != "actor"
+        log_prob, entropy = response_log_probs(self.model, batch, temperature, need_entropy, self.packing)
         if not bool(mask.any()):
             # No valid token: the losses are 0/0. A zero loss still runs backward (FSDP collectives).
             zero = log_prob.sum() * 0.0
-            return zero, (zero,) * 6
+            return zero, (zero,) * len(_STAT_NAMES)
+        old_log_prob = {"actor": batch.get("old_log_probs"), "update": log_prob.detach(),
+                        "rollout": batch.get("rollout_log_probs")}[source]
+        zero = torch.zeros((), device=log_prob.device)
+        mismatch = (zero, zero)
+        if source != "actor" and "rollout_log_probs" in batch:
+            rollout = batch["rollout_log_probs"]  # (b, R)
+            mismatch = (masked_mean((rollout.exp() - log_prob.detach().exp()).abs(), mask),
+                        masked_mean((rollout - log_prob.detach()).abs(), mask))
         policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
         rollout_log_probs = batch.get("rollout_log_probs") if cfg.tis_imp_ratio_cap > 0 else None
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
-            old_log_prob=batch["old_log_probs"], log_prob=log_prob, advantages=batch["advantages"],
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=batch["advantages"],
             response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_log_probs=rollout_log_probs,
         )
         loss = pg_loss
-        zero = torch.zeros((), device=loss.device)
         entropy_loss = zero
         if need_entropy:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
-            loss = loss - cfg.entropy_coeff * entropy_loss
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy_loss
         kl_loss = zero
         if cfg.use_kl_loss:
             kld = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)  # (b, R)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
-        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss)
+        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss) + mismatch
 
-    def _batch_keys(self) -> list[str]:
-        keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask",
-                "old_log_probs", "advantages"]
+    def _batch_keys(self, data: DataProto, source: str) -> list[str]:
+        keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "advantages"]
+        if source == "actor":
+            keys.append("old_log_probs")
         if self.config.use_kl_loss:
             keys.append("ref_log_prob")
-        if self.config.tis_imp_ratio_cap > 0:
+        if self.config.tis_imp_ratio_cap > 0 or source == "rollout" or (
+                source == "update" and "rollout_log_probs" in data.batch):
             keys.append("rollout_log_probs")
         return keys
+
+    def _old_log_prob_source(self, data: DataProto, rows_per_mini_batch: int) -> str:
+        source = data.meta_info.get("old_log_probs_source", "actor")
+        if source not in OLD_LOG_PROB_SOURCES:
+            raise ValueError(f"meta_info old_log_probs_source={source!r} is unknown; use one of "
+                             f"{list(OLD_LOG_PROB_SOURCES)}")
+        steps = self.config.ppo_epochs * (len(data) // max(rows_per_mini_batch, 1))
+        if source == "update" and steps != 1:
+            raise ValueError(f"old log-probs from the update itself need exactly one optimizer step, but "
+                             f"ppo_epochs={self.config.ppo_epochs} and {len(data)} rows in mini-batches of "
+                             f"{rows_per_mini_batch} give {steps}; run compute_log_prob first")
+        return source
 
     def update_policy(self, data: DataProto, rows_per_mini_batch: int) -> dict[str, float]:
         """PPO update over `data` (this rank's rows); returns metrics reduced over the DP group."""
         cfg = self.config
         self.model.train()
         temperature = float(data.meta_info.get("temperature", 1.0))
-        missing = [k for k in self._batch_keys() if k not in data.batch]
+        source = self._old_log_prob_source(data, rows_per_mini_batch)
+        keys = self._batch_keys(data, source)
+        missing = [k for k in keys if k not in data.batch]
         if missing:
             raise ValueError(f"update_actor: batch lacks {missing} (use_kl_loss needs ref_log_prob; "
-                             f"tis_imp_ratio_cap > 0 needs rollout_log_probs)")
-        data = data.select(batch_keys=self._batch_keys())
+                             f"tis_imp_ratio_cap > 0 and use_rollout_log_probs need rollout_log_probs)")
+        data = data.select(batch_keys=keys)
         params = self.optimizer_params()
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
         grad_norms, skipped = [], 0
@@ -116,12 +160,15 @@ class PPOActor(TrainedModel):
             seed = cfg.seed + 1000003 * self.num_updates + epoch
             for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
                 micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                               cfg.ppo_max_token_len_per_gpu, self.dp_group)
+                                               cfg.ppo_max_token_len_per_gpu, self.dp_group, self.packing)
                 self.optimizer.zero_grad(set_to_none=True)
-                stats_sum += accumulate_gradients(
+                stats = accumulate_gradients(
                     micros, mini.batch["response_mask"], cfg.loss_agg_mode,
-                    lambda batch: self._micro_loss(batch, temperature), _STAT_KINDS, self.device,
+                    lambda batch: self._micro_loss(batch, temperature, source), _STAT_KINDS, self.device,
                     self.dp_size, self.dp_group)
+                if grad_norms:  # the mismatch is measured before the first optimizer step only
+                    stats[_MISMATCH] = 0.0
+                stats_sum += stats
                 grad_norm, stepped = optimizer_step(self.optimizer, params, cfg.grad_clip, "actor")
                 grad_norms.append(grad_norm)
                 skipped += 0 if stepped else 1
@@ -129,7 +176,12 @@ class PPOActor(TrainedModel):
         self.num_updates += 1
         steps = len(grad_norms)
         metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
-        if cfg.entropy_coeff == 0:
+        for name in _STAT_NAMES[_MISMATCH]:
+            if source == "actor" or "rollout_log_probs" not in data.batch:
+                metrics.pop(name)
+            else:
+                metrics[name] *= steps
+        if cfg.entropy_coeff == 0 and source == "actor":
             metrics.pop("actor/entropy")
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef

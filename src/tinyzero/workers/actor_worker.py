@@ -13,13 +13,18 @@ FSDP2-sharded causal LM with AdamW and an lr schedule; the reference is a separa
 FSDP2 copy; the rollout engine is built last, so its memory estimate sees what training
 holds. Before each generation the actor's weights are streamed into the engine (only when
 they changed since the last sync), in the order wake weights -> sync -> wake KV cache ->
-generate -> sleep.
+generate -> sleep. The sync's wall time is reported as the metric timing_s/weight_sync (0 when
+the weights had not changed); the trainer books it as its own phase.
+
+`actor_rollout_ref.model.use_remove_padding` / `use_shared_prefix` select packed forward passes
+(tinyzero.workers.packing) for the actor's and the reference's log-probs and the actor update.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
@@ -36,6 +41,7 @@ from tinyzero.workers.common import (
 from tinyzero.workers.config import ActorRolloutRefConfig
 from tinyzero.workers.forward import attach_log_prob_method
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+from tinyzero.workers.packing import packing_mode, prepare_attention
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ class ActorRolloutRefWorker(Worker):
         model = load_sharded_model(model_config, fsdp_config, fsdp_mesh(self, fsdp_config), kind="causal_lm")
         if not trainable:
             model.requires_grad_(False)
+        prepare_attention(model, packing_mode(model_config))
         return attach_log_prob_method(model)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -110,12 +117,14 @@ class ActorRolloutRefWorker(Worker):
             scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
             self.actor = PPOActor(cfg.actor, model, optimizer, scheduler, dp_group=self.process_group,
                                   dp_size=self.world_size, device=self.device)
+            self.actor.packing = packing_mode(cfg.model)
             offload_after_init(model, fsdp, optimizer)
         if self._is_ref:
             fsdp = cfg.ref.fsdp_config
             model = self._build_fsdp_model(fsdp, trainable=False)
             self.ref = PPOActor(cfg.actor, model, dp_group=self.process_group, dp_size=self.world_size,
                                 device=self.device)
+            self.ref.packing = packing_mode(cfg.model)
             offload_after_init(model, fsdp)
         if self._is_rollout:
             self.rollout = self._build_rollout()
@@ -181,7 +190,9 @@ class ActorRolloutRefWorker(Worker):
         meta = {"eos_token_id": self.stop_token_ids, "pad_token_id": self.tokenizer.pad_token_id}
         prompts.meta_info = {**meta, **prompts.meta_info}
         self.rollout.wake_up(tags=["weights"])
+        start = time.perf_counter()
         self._sync_weights()
+        sync_s = time.perf_counter() - start
         self.rollout.wake_up(tags=["kv_cache"])
         try:
             out = self.rollout.generate_sequences(prompts)
@@ -190,6 +201,7 @@ class ActorRolloutRefWorker(Worker):
             if int(getattr(self.config.rollout, "sleep_level", 1)) == 2:
                 self._synced_version = -1  # level-2 sleep discards the engine's weights
         metrics = out.meta_info.setdefault("metrics", {})
+        metrics["timing_s/weight_sync"] = sync_s
         metrics["perf/max_memory_allocated_gb/rollout"] = peak_memory_gb(self.device)
         # Device memory after each engine phase (vLLM: init, sync, wake, sleep); empty when not tracked.
         memory_metrics = getattr(self.rollout, "memory_metrics", None)

@@ -62,12 +62,45 @@ def _sync_max(value: int, group) -> int:
     return int(t.item())
 
 
-def split_dynamic(data: DataProto, max_token_len: int, group=None) -> tuple[list[DataProto], list[list[int]]]:
+def _row_units(data: DataProto, share_prefix: bool) -> tuple[list[list[int]], list[int]]:
+    """The indivisible units of a split and their tokens: rows, or groups of rows sharing a prompt.
+
+    With `share_prefix` a unit is a group whose prompt is packed once (tinyzero.workers.packing),
+    and its tokens are the packed ones: the prompt once plus every response.
+    """
+    mask = data.batch["attention_mask"]
+    if not share_prefix:
+        return [[i] for i in range(len(data))], [int(x) for x in mask.sum(dim=-1).tolist()]
+    from tinyzero.workers.packing import prompt_groups, unit_token_counts
+
+    r = data.batch["responses"].shape[1]
+    units = prompt_groups(data.batch["input_ids"], mask, data.batch["position_ids"], r)
+    return units, unit_token_counts(mask, r, units)
+
+
+def _fit_units(units: list[list[int]], tokens: list[int], seqlens: list[int],
+               max_token_len: int) -> tuple[list[list[int]], list[int]]:
+    """Groups over the token budget are split back into rows (their prompt is then packed per row)."""
+    out_units, out_tokens = [], []
+    for unit, t in zip(units, tokens):
+        if t <= max_token_len or len(unit) == 1:
+            out_units.append(unit)
+            out_tokens.append(t)
+        else:
+            out_units += [[i] for i in unit]
+            out_tokens += [seqlens[i] for i in unit]
+    return out_units, out_tokens
+
+
+def split_dynamic(data: DataProto, max_token_len: int, group=None,
+                  share_prefix: bool = False) -> tuple[list[DataProto], list[list[int]]]:
     """Token-budget micro-batches; returns (micro_batches, row indices of each).
 
     The count starts at ceil(total_tokens / max_token_len) and grows until the heaviest
-    micro-batch fits the budget (or every row is alone), then is raised to the maximum
-    over `group` so all ranks run the same number of passes.
+    micro-batch fits the budget (or every unit is alone), then is raised to the maximum
+    over `group` so all ranks run the same number of passes. Units are rows, or with
+    `share_prefix` the groups of rows sharing a prompt, counted by their packed tokens (a
+    group over the budget, or more micro-batches than groups, falls back to rows).
     """
     seqlens = data.batch["attention_mask"].sum(dim=-1).tolist()
     n = len(seqlens)
@@ -75,26 +108,36 @@ def split_dynamic(data: DataProto, max_token_len: int, group=None) -> tuple[list
         raise ValueError(f"a sequence has {max(seqlens)} tokens but the micro-batch token budget is "
                          f"{max_token_len}; raise ppo_max_token_len_per_gpu / *_max_token_len_per_gpu to at "
                          f"least prompt + response length")
-    k = max(1, -(-sum(seqlens) // max_token_len))
-    k = min(k, n)
-    parts = balanced_partitions(seqlens, k)
-    while k < n and max(sum(seqlens[i] for i in p) for p in parts) > max_token_len:
+    units, tokens = _fit_units(*_row_units(data, share_prefix), seqlens, max_token_len)
+    k = max(1, -(-sum(tokens) // max_token_len))
+    k = min(k, len(units))
+    parts = balanced_partitions(tokens, k)
+    while k < len(units) and max(sum(tokens[i] for i in p) for p in parts) > max_token_len:
         k += 1
-        parts = balanced_partitions(seqlens, k)
+        parts = balanced_partitions(tokens, k)
     k_all = _sync_max(k, group)
     if k_all > n:
         raise ValueError(f"rank holds {n} rows but the data-parallel group needs {k_all} micro-batches; "
                          f"give every rank at least {k_all} rows or raise the token budget")
+    if k_all > len(units):  # more passes than groups: split by rows
+        units, tokens = [[i] for i in range(n)], seqlens
     if k_all != k:
-        parts = balanced_partitions(seqlens, k_all)
-    return [data.select_idxs(torch.tensor(p, dtype=torch.long)) for p in parts], parts
+        parts = balanced_partitions(tokens, k_all)
+    rows = [sorted(i for u in p for i in units[u]) for p in parts]
+    return [data.select_idxs(torch.tensor(r, dtype=torch.long)) for r in rows], rows
 
 
 def make_micro_batches(data: DataProto, micro_batch_size: int | None, use_dynamic_bsz: bool,
-                       max_token_len: int, group=None) -> tuple[list[DataProto], list[list[int]] | None]:
-    """Fixed or dynamic micro-batches; the index lists are None for fixed (order kept)."""
+                       max_token_len: int, group=None,
+                       packing: str = "none") -> tuple[list[DataProto], list[list[int]] | None]:
+    """Fixed or dynamic micro-batches; the index lists are None for fixed (order kept).
+
+    With packing "shared_prefix", token budgets count packed tokens and keep groups whole
+    where they fit (fixed micro-batches keep the row order: a group is whole when the size is
+    a multiple of rollout.n).
+    """
     if use_dynamic_bsz:
-        return split_dynamic(data, max_token_len, group)
+        return split_dynamic(data, max_token_len, group, share_prefix=packing == "shared_prefix")
     return split_fixed(data, micro_batch_size), None
 
 

@@ -3,7 +3,8 @@
 `PPOCritic` holds a value model (LM backbone + scalar head, usually FSDP2-sharded), its
 optimizer and lr scheduler. The update minimises the clipped value loss of
 tinyzero.algorithms.compute_value_loss with the same exact micro-batch / rank scaling as
-the actor (tinyzero.workers.scaling).
+the actor (tinyzero.workers.scaling). `packing` (set by the worker from the model config)
+selects the packed forward of tinyzero.workers.packing for values and updates.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class PPOCritic(TrainedModel):
     """Values and value-loss updates of one rank's share of the batch."""
 
     config: CriticConfig
+    packing: str = "none"
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:
@@ -41,11 +43,11 @@ class PPOCritic(TrainedModel):
         keys = _FORWARD_KEYS + (["response_mask"] if "response_mask" in data.batch else [])
         data = data.select(batch_keys=keys)
         micros, parts = make_micro_batches(data, cfg.forward_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                           cfg.forward_max_token_len_per_gpu, self.dp_group)
+                                           cfg.forward_max_token_len_per_gpu, self.dp_group, self.packing)
         values = []
         for micro in micros:
             batch = {k: v.to(self.device) for k, v in micro.batch.items()}
-            values.append(response_values(self.model, batch).cpu())
+            values.append(response_values(self.model, batch, self.packing).cpu())
         reshard(self.model)
         values = restore_order(torch.cat(values), parts)
         if "response_mask" in data.batch:
@@ -57,7 +59,7 @@ class PPOCritic(TrainedModel):
 
         cfg = self.config
         mask = batch["response_mask"].float()  # (b, R)
-        vpreds = response_values(self.model, batch)  # (b, R)
+        vpreds = response_values(self.model, batch, self.packing)  # (b, R)
         if not bool(mask.any()):
             zero = vpreds.sum() * 0.0  # no valid token: a zero loss still runs backward
             return zero, (zero,) * 3
@@ -83,7 +85,7 @@ class PPOCritic(TrainedModel):
             seed = cfg.seed + 1000003 * self.num_updates + epoch
             for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
                 micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                               cfg.ppo_max_token_len_per_gpu, self.dp_group)
+                                               cfg.ppo_max_token_len_per_gpu, self.dp_group, self.packing)
                 self.optimizer.zero_grad(set_to_none=True)
                 stats_sum += accumulate_gradients(micros, mini.batch["response_mask"], cfg.loss_agg_mode,
                                                   self._micro_loss, _STAT_KINDS, self.device, self.dp_size,

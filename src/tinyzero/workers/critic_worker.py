@@ -4,6 +4,9 @@
     wg.init_model()
     batch = batch.union(wg.compute_values(batch))   # values (rows, R)
     out = wg.update_critic(batch)                   # clipped value loss; out.meta_info["metrics"]
+
+`critic.model.use_remove_padding` / `use_shared_prefix` select packed forward passes
+(tinyzero.workers.packing) for values and updates.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from tinyzero.workers.common import fsdp_mesh, offload_after_init, on_device, pe
 from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.critic import PPOCritic
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+from tinyzero.workers.packing import packing_mode, prepare_attention
 
 
 class CriticWorker(Worker):
@@ -40,10 +44,12 @@ class CriticWorker(Worker):
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         model = load_sharded_model(cfg.model, cfg.fsdp_config, fsdp_mesh(self, cfg.fsdp_config), kind="value")
+        prepare_attention(model, packing_mode(cfg.model))
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         scheduler = build_lr_scheduler(optimizer, cfg.optim)
         self.critic = PPOCritic(cfg, model, optimizer, scheduler, dp_group=self.process_group,
                                 dp_size=self.world_size, device=self.device)
+        self.critic.packing = packing_mode(cfg.model)
         offload_after_init(model, cfg.fsdp_config, optimizer)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -10,6 +10,10 @@ gradients reduce-scattered in backward as for `forward`.
 Convention: for responses of length R appended to the prompt, the log-prob of response
 token t comes from the hidden state at input position (P + t - 1), i.e. the slice
 [-R-1:-1] of the sequence; logits are divided by the temperature before the softmax.
+
+`packing` ("none", "remove_padding", "shared_prefix"; see tinyzero.workers.packing) runs the
+same computations on packed rows: the model sees a 4-D mask, and the predicting hidden states
+are gathered by index instead of sliced.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from tinyzero.workers.batching import trim_padding
+from tinyzero.workers.packing import model_mask, pack
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -31,18 +36,31 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 
 def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, temperature=1.0,
-                     return_entropy=False):
-    """Log-probs (and entropy) of `responses`, the last columns of `input_ids`; both (batch, R) fp32."""
+                     return_entropy=False, packed=None):
+    """Log-probs (and entropy) of `responses`, both (batch, R) fp32.
+
+    Unpacked, `responses` are the last columns of `input_ids`. With `packed` (a
+    tinyzero.workers.packing.Packed whose tensors are the inputs), the hidden states at
+    `packed.hidden_index` predict the valid response tokens; padding positions get 0.
+    """
     from tinyzero.kernels import linear_log_probs
 
     out = _backbone(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False)
-    r = responses.shape[1]
-    hidden = out.last_hidden_state[:, -r - 1:-1]  # (batch, R, hidden)
     weight = self.get_output_embeddings().weight  # (vocab, hidden)
-    out = linear_log_probs(hidden, weight, responses, temperature=temperature, return_entropy=return_entropy)
+    if packed is None:
+        r = responses.shape[1]
+        hidden = out.last_hidden_state[:, -r - 1:-1]  # (batch, R, hidden)
+        labels = responses
+    else:
+        states = out.last_hidden_state
+        hidden = states.reshape(-1, states.shape[-1]).index_select(0, packed.hidden_index)  # (valid, hidden)
+        labels = responses[packed.valid]  # (valid,)
+    out = linear_log_probs(hidden, weight, labels, temperature=temperature, return_entropy=return_entropy)
+    out = out if return_entropy else (out,)
     # Fresh tensors, not views: FSDP hooks the outputs of a forward method for backward.
-    return tuple(t.clone() for t in out) if return_entropy else out.clone()
+    out = tuple(t.clone() if packed is None else packed.scatter(t) for t in out)
+    return out if return_entropy else out[0]
 
 
 def attach_log_prob_method(model: nn.Module) -> nn.Module:
@@ -78,13 +96,27 @@ def attach_score_method(model: nn.Module) -> nn.Module:
     return model
 
 
-def response_log_probs(model: nn.Module, batch, temperature: float, return_entropy: bool):
+def _pack_batch(model: nn.Module, batch, packing: str):
+    """(Packed, model-ready 4-D mask) of a micro-batch."""
+    packed = pack(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                  batch["responses"].shape[1], share_prefix=packing == "shared_prefix")
+    dtype = model.get_input_embeddings().weight.dtype
+    return packed, model_mask(packed, model, dtype)
+
+
+def response_log_probs(model: nn.Module, batch, temperature: float, return_entropy: bool, packing: str = "none"):
     """(log_probs, entropy or None), each (batch, R) fp32, for one micro-batch's tensors.
 
     Columns that are padding in every row are cut first; the response positions cut on
-    the right get log-prob 0 and entropy 0 (they are masked everywhere downstream).
+    the right get log-prob 0 and entropy 0 (they are masked everywhere downstream). Packed,
+    every padding position of the responses gets 0.
     """
     responses = batch["responses"]
+    if packing != "none":
+        packed, mask = _pack_batch(model, batch, packing)
+        out = model.token_log_probs(packed.input_ids, mask, packed.position_ids, responses, temperature,
+                                    return_entropy, packed)
+        return out if return_entropy else (out, None)
     r = responses.shape[1]
     ids, mask, pos, kept = trim_padding(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)
     out = model.token_log_probs(ids, mask, pos, responses[:, :kept], temperature, return_entropy)
@@ -95,9 +127,15 @@ def response_log_probs(model: nn.Module, batch, temperature: float, return_entro
     return log_probs, entropy
 
 
-def response_values(model: nn.Module, batch) -> torch.Tensor:
+def response_values(model: nn.Module, batch, packing: str = "none") -> torch.Tensor:
     """Value predictions (batch, R) fp32 of a token-level scalar-head model at response positions."""
     responses = batch["responses"]
+    if packing != "none":
+        packed, mask = _pack_batch(model, batch, packing)
+        out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                    use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out  # (rows, L, 1)
+        return packed.scatter(logits.reshape(-1).index_select(0, packed.hidden_index).float())
     r = responses.shape[1]
     ids, mask, pos, kept = trim_padding(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)

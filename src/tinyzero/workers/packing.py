@@ -1,0 +1,188 @@
+"""Packed forward passes: no padding computed, and a group's shared prompt computed once.
+
+A rollout batch is (rows, P + R): left-padded prompts, right-padded responses. Packing lays
+the real tokens of several sequences side by side in fewer, shorter rows and gives the model
+a 4-D attention mask (rows, 1, L, L) that keeps them apart:
+
+- "remove_padding" (veRL's `use_remove_padding`): every sequence is one segment; a token sees
+  the earlier tokens of its own segment (a block-diagonal causal mask).
+- "shared_prefix": rows whose prompts are identical (the n samples of one GRPO group, rows from
+  `batch.repeat(n, interleave=True)`) become one unit [prompt, response_1 .. response_n].
+  Each response token sees the prompt and the earlier tokens of its own response, never another
+  response. Position ids are the rows' own: the prompt's, then prompt length + t for response
+  token t, restarting for every response. The prompt is thus computed once per group, forward
+  and backward, and its gradient is the sum of the per-sample ones, as in the unpacked batch.
+
+Groups are found by comparing the prompts (valid tokens and their positions), not by `uid`:
+identical prompt tokens at identical positions give identical hidden states, so sharing them is
+exact whatever the rows' origin, and a group split across micro-batches or data-parallel ranks
+simply has its prompt computed once in each place it landed.
+
+The hidden state that predicts response token t is the previous real token's: the prompt's
+last token for t = 0, response position t-1 otherwise (`hidden_index`, into the flattened
+(rows * L) hidden states). Results at response positions that are padding are 0, as for the
+columns `trim_padding` cuts.
+
+Units are placed into rows first-fit-decreasing with a row length of the longest unit, so
+attention (dense over each packed row with SDPA) costs about what the longest sequence costs.
+
+Attention backends: the mask goes to the HF model as a custom 4-D mask, which transformers uses
+as-is (masking_utils._preprocess_mask_arguments). SDPA takes the boolean mask, eager an additive
+float mask; other kernels (flash_attention_2) cannot take it, so `prepare_attention` switches a
+packed model to SDPA with a warning. Tested on CPU (fp32, SDPA). On GPU it is the same code (SDPA
+with a dense boolean mask, which keeps the memory-efficient kernel but computes the masked
+blocks); flex_attention block masks or flash-attn varlen, which skip them, are not wired in and
+untested here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKING_MODES = ("none", "remove_padding", "shared_prefix")
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def packing_mode(model_config) -> str:
+    """The packing a model config asks for: shared_prefix, remove_padding or none."""
+    if getattr(model_config, "use_shared_prefix", False):
+        return "shared_prefix"
+    return "remove_padding" if getattr(model_config, "use_remove_padding", False) else "none"
+
+
+def prepare_attention(model: nn.Module, mode: str) -> None:
+    """Switch a model that will run packed to an attention kernel that takes a custom 4-D mask."""
+    if mode == "none":
+        return
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl not in _MASKED_ATTENTION:
+        logger.warning("packed training needs attention with a custom 4-D mask; switching %s from %s to sdpa",
+                       type(model).__name__, impl)
+        model.set_attn_implementation("sdpa")
+
+
+@dataclass
+class Packed:
+    """Packed model inputs and where each response token's prediction sits."""
+
+    input_ids: torch.Tensor  # (rows, L)
+    position_ids: torch.Tensor  # (rows, L)
+    attention_mask: torch.Tensor  # (rows, 1, L, L) bool, True = may attend
+    hidden_index: torch.Tensor  # (valid response tokens,) into the flattened (rows * L) positions
+    valid: torch.Tensor  # (batch, R) bool, the response tokens that exist (row-major order of hidden_index)
+
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """(valid tokens,) results -> (batch, R), 0 at padding; differentiable."""
+        out = flat.new_zeros(self.valid.shape)
+        out[self.valid] = flat
+        return out
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                  response_length: int) -> list[list[int]]:
+    """Rows with identical prompts (valid tokens and positions), groups in first-appearance order."""
+    p = input_ids.shape[1] - response_length
+    am = attention_mask[:, :p].bool().cpu()
+    ids, pos = input_ids[:, :p].cpu(), position_ids[:, :p].cpu()
+    groups: dict[bytes, list[int]] = {}
+    for i in range(len(ids)):
+        key = ids[i][am[i]].numpy().tobytes() + b"|" + pos[i][am[i]].numpy().tobytes()
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def unit_token_counts(attention_mask: torch.Tensor, response_length: int, units: list[list[int]]) -> list[int]:
+    """Tokens a unit (prompt once + its rows' responses) occupies when packed."""
+    p = attention_mask.shape[1] - response_length
+    prompt = attention_mask[:, :p].sum(-1).tolist()
+    resp = attention_mask[:, p:].sum(-1).tolist()
+    return [int(prompt[u[0]] + sum(resp[i] for i in u)) for u in units]
+
+
+def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for u in sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)):
+        for b, free in enumerate(room):
+            if sizes[u] <= free:
+                bins[b].append(u)
+                room[b] -= sizes[u]
+                break
+        else:
+            bins.append([u])
+            room.append(capacity - sizes[u])
+    return bins
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+         response_length: int, share_prefix: bool) -> Packed:
+    """Pack a (batch, P + R) micro-batch; see the module docstring for the layout."""
+    if position_ids.dim() != 2:
+        raise ValueError("packed training supports (batch, seq) position_ids only; set use_remove_padding=False "
+                         "and use_shared_prefix=False for models with multi-section (mrope) positions")
+    device = input_ids.device
+    b, total = input_ids.shape
+    r = response_length
+    p = total - r
+    ids_c, pos_c, am = input_ids.cpu(), position_ids.cpu(), attention_mask.bool().cpu()
+    prompt_lens = am[:, :p].sum(-1)
+    if bool((prompt_lens == 0).any()):
+        raise ValueError(f"row {int((prompt_lens == 0).nonzero()[0])} has an empty prompt; packed training needs "
+                         f"at least one prompt token per row (turn use_remove_padding / use_shared_prefix off)")
+    units = (prompt_groups(ids_c, am, pos_c, r) if share_prefix else [[i] for i in range(b)])
+    sizes = unit_token_counts(am.long(), r, units)
+    bins = _first_fit_decreasing(sizes, max(sizes))
+    length = max(sum(sizes[u] for u in bin_) for bin_ in bins)
+    rows = len(bins)
+    ids = torch.zeros(rows, length, dtype=input_ids.dtype)
+    pos = torch.zeros(rows, length, dtype=position_ids.dtype)
+    seg = torch.full((rows, length), -1, dtype=torch.long)  # segment of each token, -1 = padding
+    sees = torch.full((rows, length), -1, dtype=torch.long)  # the prompt segment a token may also see
+    index = torch.zeros(b, r, dtype=torch.long)
+    next_seg = 0
+    for row, bin_ in enumerate(bins):
+        off = 0
+        for u in bin_:
+            first = units[u][0]
+            cols = am[first, :p].nonzero().squeeze(-1)
+            n = len(cols)
+            ids[row, off:off + n], pos[row, off:off + n] = ids_c[first, cols], pos_c[first, cols]
+            prompt_seg, next_seg = next_seg, next_seg + 1
+            seg[row, off:off + n] = prompt_seg
+            sees[row, off:off + n] = prompt_seg
+            last_prompt = row * length + off + n - 1
+            off += n
+            for i in units[u]:
+                rcols = am[i, p:].nonzero().squeeze(-1)
+                k = len(rcols)
+                if k == 0:
+                    continue
+                ids[row, off:off + k], pos[row, off:off + k] = ids_c[i, p + rcols], pos_c[i, p + rcols]
+                seg[row, off:off + k] = next_seg
+                sees[row, off:off + k] = prompt_seg
+                next_seg += 1
+                pred = torch.arange(k) + (row * length + off - 1)
+                pred[0] = last_prompt
+                index[i, rcols] = pred
+                off += k
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    key_seg = seg[:, None, :]  # (rows, 1, L)
+    mask = ((seg[:, :, None] == key_seg) | (sees[:, :, None] == key_seg)) & (key_seg >= 0) & causal
+    mask |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax row
+    valid = am[:, p:]
+    return Packed(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask[:, None].to(device),
+                  hidden_index=index[valid].to(device), valid=valid.to(device))
+
+
+def model_mask(packed: Packed, model: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The 4-D mask in the form the model's attention takes: bool for SDPA, additive for eager."""
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+        zeros = torch.zeros(packed.attention_mask.shape, dtype=dtype, device=packed.attention_mask.device)
+        return zeros.masked_fill(~packed.attention_mask, torch.finfo(dtype).min)
+    return packed.attention_mask
