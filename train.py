@@ -83,6 +83,7 @@ def _debug_traceback() -> None:
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError, parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
+    from tinyzero.progress import start_watchdog, stop_watchdog
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.ppo import NonFiniteError
     from tinyzero.trainer.preemption import Preempted, install_stop_handlers, uninstall_stop_handlers
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return _after_report(2)
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    init_distributed()
+    init_distributed(cfg.trainer.collective_timeout_s)
+    start_watchdog(cfg.trainer.hang_timeout_s)
     try:
         set_seed(cfg.trainer.seed)
         with hold_run_folder(cfg.trainer.default_local_dir):  # before anything in the folder is written
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         uninstall_stop_handlers()
+        stop_watchdog()
         cleanup()
 
 

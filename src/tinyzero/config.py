@@ -135,6 +135,11 @@ class TrainerConfig:
             raise ConfigError("trainer.test_freq / trainer.save_freq must be a positive step count or -1 (off)")
         if self.critic_warmup < 0:
             raise ConfigError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"trainer.collective_timeout_s must be > 0 seconds (got {self.collective_timeout_s})")
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError(f"trainer.hang_timeout_s must be >= 0 seconds, 0 to disable the watchdog "
+                              f"(got {self.hang_timeout_s})")
         if not self.signal_grace_s > 0:
             raise ConfigError(f"trainer.signal_grace_s must be > 0 seconds (got {self.signal_grace_s}); turn "
                               "saving on signals off with trainer.save_on_signal=false instead")

@@ -27,6 +27,8 @@ __all__ = [
     "backend_for_device",
     "barrier",
     "cleanup",
+    "collective_timeout_s",
+    "resolve_collective_timeout_s",
     "set_seed",
 ]
 
@@ -52,14 +54,46 @@ def get_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: float = 1800.0) -> None:
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+TIMEOUT_ENV = "TINYZERO_COLLECTIVE_TIMEOUT_S"
+_collective_timeout_s: float | None = None  # what init_distributed() resolved, for the groups made later
+
+
+def resolve_collective_timeout_s(timeout_s: float | None = None) -> float:
+    """The collective timeout to use: TINYZERO_COLLECTIVE_TIMEOUT_S if set, else `timeout_s`, else 1800 s."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; unset it or give e.g. 600") from None
+        if value <= 0:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be > 0 seconds")
+        return value
+    return DEFAULT_COLLECTIVE_TIMEOUT_S if timeout_s is None else float(timeout_s)
+
+
+def collective_timeout_s() -> float:
+    """The timeout of every process group of the job (the world group and every pool's groups).
+
+    The value init_distributed() resolved (trainer.collective_timeout_s, or the environment
+    variable TINYZERO_COLLECTIVE_TIMEOUT_S, which overrides it); before that, the same resolution.
+    """
+    return _collective_timeout_s if _collective_timeout_s is not None else resolve_collective_timeout_s()
+
+
+def init_distributed(timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment, or as a group of one.
 
-    `timeout_s` bounds every collective: a rank that stops participating makes the others fail
-    after this long instead of hanging forever.
+    `timeout_s` (train.py passes trainer.collective_timeout_s; the environment variable
+    TINYZERO_COLLECTIVE_TIMEOUT_S overrides it; default 1800 s) bounds every collective of the
+    world group and of the groups made later (resource pools, mesh axes): a rank that stops
+    participating makes the others fail after this long instead of hanging forever.
     """
+    global _collective_timeout_s
     if dist.is_initialized():
         return
+    timeout_s = resolve_collective_timeout_s(timeout_s)
     if "RANK" not in os.environ:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -78,6 +112,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     # gloo for CPU tensors everywhere; on GPU nccl handles cuda tensors and gloo the CPU ones
     # (object collectives, CPU state), as torchtitan does.
     backend = "cuda:nccl,cpu:gloo" if kind == "cuda" else "gloo"
+    _collective_timeout_s = timeout_s
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _restarted_attempt_store(timeout)
     if store is None:

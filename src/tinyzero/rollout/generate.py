@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from tinyzero.progress import report_progress
 from tinyzero.rollout.sampling import SamplingParams, draw_uniforms, sample_from_logits
 
 # decoder(input_ids (B,T), position_ids (B,T), key_valid (B,start+T) bool, start) -> logits (B,V)
@@ -65,6 +66,7 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     logits = prefill(decoder, prompt_ids, prompt_pos, key_valid)
     steps = R
     for t in range(R):
+        report_progress("generate", token=t + 1, of=R)
         tok, logp = sample_from_logits(logits, params, generator, None if uniforms is None else uniforms[t])
         tok_steps.append(tok)
         logp_steps.append(logp)

@@ -13,8 +13,10 @@ Three mechanisms, from cheapest to last resort:
    traceback and exits after a grace period (TINYZERO_ABORT_GRACE_S, default 10 s), so no
    rank is left hanging.
 
-Collective timeouts come from TINYZERO_COLLECTIVE_TIMEOUT_S (default 1800 s) unless a
-ResourcePool is given its own `timeout_s`.
+Collective timeouts come from trainer.collective_timeout_s as init_distributed() resolved it
+(TINYZERO_COLLECTIVE_TIMEOUT_S overrides it; default 1800 s) unless a ResourcePool is given its
+own `timeout_s`. The first failure records its rank, so every message names the rank that
+failed first.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-__all__ = ["RemoteWorkerError", "SPMDDivergenceError", "collective_timeout_s", "control_store",
+__all__ = ["RemoteWorkerError", "SPMDDivergenceError", "abort_rank", "collective_timeout_s", "control_store",
            "record_abort", "read_abort", "guard", "start_watchdog"]
 
 _KEY_PREFIX = "tinyzero/sc/"
 _ABORT_KEY = "abort"
+_ABORT_RANK_KEY = "abort_rank"
 
 
 class RemoteWorkerError(RuntimeError):
@@ -67,7 +70,10 @@ _state = _State()
 
 
 def collective_timeout_s() -> float:
-    return float(os.environ.get("TINYZERO_COLLECTIVE_TIMEOUT_S", "1800"))
+    """The job's collective timeout (tinyzero.distributed.collective_timeout_s)."""
+    from tinyzero.distributed import collective_timeout_s as resolved
+
+    return resolved()
 
 
 def abort_grace_s() -> float:
@@ -97,22 +103,40 @@ def record_abort(message: str) -> None:
         return
     try:
         if store.add("abort_count", 1) == 1:
+            store.set(_ABORT_RANK_KEY, str(dist.get_rank()))
             store.set(_ABORT_KEY, message)
             _state.origin = True
     except Exception:  # noqa: BLE001 - the store may already be gone while the job dies
         pass
 
 
-def read_abort() -> str | None:
+def _read(key: str) -> str | None:
+    """A control-store value, or None when it is unset or the store is gone (the job may be dying)."""
     store = control_store()
     if store is None:
         return None
     try:
-        if store.check([_ABORT_KEY]):
-            return store.get(_ABORT_KEY).decode(errors="replace")
-    except Exception:  # noqa: BLE001
+        if store.check([key]):
+            return store.get(key).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - the store may already be gone while the job dies
         return None
     return None
+
+
+def abort_rank() -> int | None:
+    """The global rank that recorded the job's first failure (None when none did, or unknown)."""
+    value = _read(_ABORT_RANK_KEY)
+    return int(value) if value is not None else None
+
+
+def _first_failed() -> str:
+    first = abort_rank()
+    return f"rank {first}" if first is not None else "another rank"
+
+
+def read_abort() -> str | None:
+    """The first failure's message, once one was recorded."""
+    return _read(_ABORT_KEY)
 
 
 def wait_for_key(key: str, timeout_s: float, what: str) -> bytes:
@@ -127,12 +151,14 @@ def wait_for_key(key: str, timeout_s: float, what: str) -> bytes:
         now = time.monotonic()
         if now >= deadline:
             raise TimeoutError(f"rank {dist.get_rank()}: no answer for {what} after {timeout_s:.0f} s "
-                               "(TINYZERO_COLLECTIVE_TIMEOUT_S); a rank stopped participating")
+                               "(trainer.collective_timeout_s / TINYZERO_COLLECTIVE_TIMEOUT_S); a rank "
+                               "stopped participating")
         if now - last_abort_check > 0.5:
             last_abort_check = now
             aborted = read_abort()
             if aborted is not None:
-                raise RemoteWorkerError(f"rank {dist.get_rank()} gave up waiting for {what}: {aborted}",
+                raise RemoteWorkerError(f"rank {dist.get_rank()} gave up waiting for {what} because "
+                                        f"{_first_failed()} failed: {aborted}",
                                         remote_traceback=aborted)
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, 0.01)
@@ -150,7 +176,7 @@ def guard(what: str):
         aborted = read_abort()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if aborted is not None:
-            raise RemoteWorkerError(f"rank {rank}: {what} failed after another rank aborted: {aborted}",
+            raise RemoteWorkerError(f"rank {rank}: {what} failed after {_first_failed()} failed: {aborted}",
                                     remote_traceback=aborted) from e
         raise
 
@@ -172,11 +198,20 @@ def _watch(poll_s: float, stop: threading.Event) -> None:
         # then raise RemoteWorkerError with its traceback instead of being killed.
         grace = abort_grace_s() * (1 if _state.origin else 2)
         if time.monotonic() - seen_at >= grace:
-            rank = dist.get_rank() if dist.is_initialized() else -1
-            sys.stderr.write(f"[tinyzero] rank {rank}: exiting because another rank failed and this rank "
-                             f"could not be told in time:\n{message}\n")
+            sys.stderr.write(_exit_message(message))
             sys.stderr.flush()
             os._exit(1)
+
+
+def _exit_message(message: str) -> str:
+    """What the abort watchdog prints before it ends this process: who failed first, and its error."""
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    first = abort_rank()
+    if _state.origin or first == rank:
+        return (f"[tinyzero] rank {rank}: exiting after its own failure (the first of the job); its peers "
+                f"could not be told in time:\n{message}\n")
+    return (f"[tinyzero] rank {rank}: exiting because {_first_failed()} failed first and this rank could not be told "
+            f"in time:\n{message}\n")
 
 
 def _stop_watchdog() -> None:

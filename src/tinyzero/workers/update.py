@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
 from tinyzero.workers.scaling import all_reduce_sum, global_counts, micro_weight, token_weight
 
@@ -49,6 +50,7 @@ def accumulate_gradients(micros: Sequence[DataProto], mini_mask: torch.Tensor, l
     counts = global_counts(mini_mask, dp_group)
     stats = torch.zeros(len(stat_kinds), dtype=torch.float64, device=device)
     for micro in micros:
+        report_progress("update_micro_batch", micro_batches=len(micros))
         batch = {k: v.to(device) for k, v in micro.batch.items()}
         mask = micro.batch["response_mask"]
         w = micro_weight(loss_agg_mode, mask, counts)
