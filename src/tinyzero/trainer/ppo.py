@@ -20,6 +20,7 @@ import torch
 
 from tinyzero.algorithms.advantages import compute_advantage
 from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
+from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
 from tinyzero.trainer.balance import balance_batch
 from tinyzero.trainer.checkpoint import (
@@ -101,6 +102,7 @@ class PPOTrainer:
                 return last
         while self.global_step < self.total_steps:
             self.global_step += 1
+            report_progress("step", step=self.global_step)
             metrics, timing = {}, {}
             with timer("step", timing):
                 batch = self.next_batch()
