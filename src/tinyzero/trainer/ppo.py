@@ -18,7 +18,7 @@ import os
 import numpy as np
 import torch
 
-from tinyzero.algorithms.advantages import compute_advantage
+from tinyzero.algorithms.advantages import compute_advantage, get_adv_estimator_spec
 from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
 from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
@@ -159,6 +159,7 @@ class PPOTrainer:
         timing["weight_sync"] = gen_metrics.pop("timing_s/weight_sync", 0.0)
         timing["gen"] -= timing["weight_sync"]
         metrics.update(gen_metrics)
+        self.add_reward_baselines(batch, gen_batch, timing)
         batch = batch.repeat(n, interleave=True).union(gen)
         if self.config.trainer.balance_batch:
             # Shared-prefix packing saves most when a prompt's samples stay on one rank.
@@ -185,6 +186,20 @@ class PPOTrainer:
                 metrics.update(pop_metrics(values))
                 batch = batch.union(values)
         return batch
+
+    def add_reward_baselines(self, batch: DataProto, gen_batch: DataProto, timing: dict) -> None:
+        """ReMax (an estimator registered with needs_baseline): one greedy response per prompt, scored by
+        the rule reward fn as veRL does; its total lands in batch["reward_baselines"] (prompts,), which
+        the repeat then gives to each of the prompt's n samples. Timed as timing_s/gen_max (veRL's name)."""
+        if not get_adv_estimator_spec(self.config.algorithm.adv_estimator).needs_baseline:
+            return
+        with timer("gen_max", timing):
+            greedy = gen_batch.select()  # same prompts and meta, greedy, one response each
+            greedy.meta_info.update(do_sample=False, n=1)
+            out = self.roles.actor_rollout.generate_sequences(greedy)
+            out.meta_info.pop("metrics", None)
+            scored = DataProto(batch=out.batch, non_tensor_batch=dict(batch.non_tensor_batch))
+            batch.batch["reward_baselines"] = self.reward_fn(scored).token_level_scores.sum(-1)  # (prompts,)
 
     def old_log_prob_source(self) -> str:
         """Where the PPO old log-probs come from this step.
