@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import use_triton
-from .logprobs import rows_backward, rows_forward
+from .logprobs import compute_dtype, rows_backward, rows_forward
 
 _TRITON_CHUNK_ELEMS = 1 << 25  # logits per token chunk on the Triton path (64 MiB in bf16)
 _TORCH_CHUNK_TOKENS = 2048  # tokens per chunk on the torch path
@@ -41,14 +41,15 @@ def _vocab_block(tokens: int, vocab: int) -> int:
 
 
 def _tile_logits(h: torch.Tensor, w: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    x = (h @ w.T).float()  # (tokens, block) float32
+    x = (h @ w.T).to(compute_dtype(w.dtype))  # (tokens, block) float32 (float64 for float64 weights)
     if inv_temp != 1.0:
         x.mul_(inv_temp)
     return x
 
 
 def _label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    return torch.linalg.vecdot(h.float(), weight[labels].float()) * inv_temp  # (tokens,)
+    cdt = compute_dtype(weight.dtype)
+    return torch.linalg.vecdot(h.to(cdt), weight[labels].to(cdt)) * inv_temp  # (tokens,)
 
 
 def _torch_chunk_forward(h, weight, labels, inv_temp, with_entropy):
@@ -83,7 +84,7 @@ def _torch_chunk_backward(h, weight, labels, lse, ent, g_lp, g_ent, inv_temp, gr
     """Gradient w.r.t. one token chunk of hidden; adds the chunk's weight gradient into grad_w."""
     vocab = weight.shape[0]
     block = _vocab_block(h.shape[0], vocab)
-    grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    grad_h = torch.zeros(h.shape, dtype=compute_dtype(weight.dtype), device=h.device)
     rows = torch.arange(h.shape[0], device=h.device)
     for v0 in range(0, vocab, block):
         w_tile = weight[v0:v0 + block]
@@ -106,9 +107,9 @@ def _torch_chunk_backward(h, weight, labels, lse, ent, g_lp, g_ent, inv_temp, gr
         if inv_temp != 1.0:
             g.mul_(inv_temp)
         del x
-        grad_h.addmm_(g, w_tile if w_tile.dtype == torch.float32 else w_tile.float())  # g is float32
+        grad_h.addmm_(g, w_tile.to(g.dtype))  # g is float32 (float64 for float64 weights)
         if grad_w is not None:
-            grad_w[v0:v0 + block].addmm_(g.T, h if h.dtype == torch.float32 else h.float())
+            grad_w[v0:v0 + block].addmm_(g.T, h.to(g.dtype))
     return grad_h
 
 
@@ -116,7 +117,7 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, inv_temp, with_entropy, chunk, triton_path):
         tokens = hidden.shape[0]
-        logp = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(tokens, dtype=compute_dtype(weight.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
         for i in range(0, tokens, chunk):
@@ -142,13 +143,14 @@ class _LinearLogProbs(torch.autograd.Function):
         if not ctx.with_entropy:
             g_ent = None
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device) if need_w else None
         chunk = ctx.chunk
+        grad_dtype = compute_dtype(weight.dtype)
         for i in range(0, hidden.shape[0], chunk):
             sl = slice(i, i + chunk)
             h = hidden[sl]  # (chunk, H)
-            c_g_lp = None if g_lp is None else g_lp[sl].float()
-            c_g_ent = None if g_ent is None else g_ent[sl].float()
+            c_g_lp = None if g_lp is None else g_lp[sl].to(grad_dtype)
+            c_g_ent = None if g_ent is None else g_ent[sl].to(grad_dtype)
             if not ctx.triton_path:
                 c_grad_h = _torch_chunk_backward(h, weight, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent,
                                                  ctx.inv_temp, grad_w)
@@ -170,10 +172,11 @@ class _LinearLogProbs(torch.autograd.Function):
 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                      return_entropy: bool = False, chunk_size: int | None = None, backend: str = "auto"):
-    """log softmax(hidden @ weight.T / T) at `labels`, float32, labels' shape; entropy if asked.
+    """log softmax(hidden @ weight.T / T) at `labels`, labels' shape; entropy if asked.
 
     hidden: (..., H); weight: (V, H) (lm_head or the tied embedding); labels: (...) ids in [0, V).
     chunk_size: tokens per chunk (default: about 32M logits on CUDA, 2048 tokens on the torch path).
+    Outputs are float32, or float64 for float64 weights (which take the torch path).
     Returns `log_probs` or `(log_probs, entropy)`; differentiable w.r.t. hidden and weight.
     """
     if hidden.shape[:-1] != labels.shape:

@@ -1,8 +1,8 @@
 """Token log-probs and entropy from logits, with a memory-lean backward.
 
 `log_probs_from_logits(logits, labels, temperature=1.0, return_entropy=False)`:
-    log softmax(logits / T)[label] (and the entropy of softmax(logits / T)), float32, in the
-    labels' shape. On CUDA it runs the Triton kernels of logprobs_triton (one pass over the
+    log softmax(logits / T)[label] (and the entropy of softmax(logits / T)), in float32 (float64
+    for float64 logits: the input's precision is kept), in the labels' shape. On CUDA it runs the Triton kernels of logprobs_triton (one pass over the
     vocabulary per row, no float32 copy of the logits). Elsewhere the torch path works on
     chunks of rows, upcasting one chunk at a time, so its extra memory is one chunk's float32
     logits, not the whole tensor's.
@@ -11,7 +11,10 @@ Numerics versus veRL (`verl.utils.torch_functional`): the same quantities
 (`logprobs_from_logits`, `entropy_from_logits`). Deliberate differences: the temperature is
 applied after the upcast to float32 (veRL divides the bf16 logits in place first) and bf16
 logits are reduced in float32 (veRL's fallback runs log_softmax in bf16); both are more
-accurate, not less.
+accurate, not less. The entropy is summed as log S - sum(p z) / S with z = logits - max and
+S = sum exp(z): both terms are >= 0, so nothing cancels. The textbook lse - sum(p x) subtracts
+two numbers of the size of the logits and loses |x| x eps_fp32 (about 3e-4 at logit scale 30,
+where entropy collapse is watched); veRL's form has the same loss.
 
 The row helpers `rows_forward` / `rows_backward` are shared with linear_log_probs.
 """
@@ -29,52 +32,72 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, _CHUNK_ELEMS // max(vocab, 1))
 
 
-def rows_forward_torch(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool, out=None):
-    """(logp, entropy or None, lse) float32 (rows,), from 2-D logits, one row chunk at a time.
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the reductions run and the outputs come in: float32, or float64 for float64 input."""
+    return torch.promote_types(dtype, torch.float32)
 
-    out: optional preallocated float32 (logp, entropy or None, lse) to write into.
+
+def entropy_rows(x: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax over the last dim of x (already scaled by 1/T), as log S - sum(p z) / S.
+
+    z = x - max(x) and p = exp(z): both terms are >= 0, so the sum loses no digits to
+    cancellation (see the module docstring); -inf logits (p = 0) contribute 0.
+    """
+    z = x - x.amax(dim=-1, keepdim=True)  # (rows, V), <= 0
+    p = torch.exp(z)
+    s = p.sum(dim=-1)  # (rows,), >= 1
+    return torch.log(s) - torch.linalg.vecdot(p, z.masked_fill_(p == 0, 0.0)) / s
+
+
+def rows_forward_torch(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, with_entropy: bool, out=None):
+    """(logp, entropy or None, lse) (rows,), from 2-D logits, one row chunk at a time.
+
+    Outputs are float32 (float64 for float64 logits); out: optional preallocated
+    (logp, entropy or None, lse) to write into.
     """
     rows, vocab = logits.shape
+    cdt = compute_dtype(logits.dtype)
     if out is None:
-        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        logp = torch.empty(rows, dtype=cdt, device=logits.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
     else:
         logp, ent, lse = out
     step = _rows_per_chunk(vocab)
     for i in range(0, rows, step):
-        x = logits[i:i + step].float()  # (chunk, V)
+        x = logits[i:i + step].to(cdt)  # (chunk, V)
         if inv_temp != 1.0:
             x = x * inv_temp
         c_lse = torch.logsumexp(x, dim=-1)  # (chunk,)
         lse[i:i + step] = c_lse
         logp[i:i + step] = x.gather(-1, labels[i:i + step].unsqueeze(-1)).squeeze(-1) - c_lse
         if with_entropy:
-            p = torch.exp(x - c_lse.unsqueeze(-1))  # (chunk, V)
-            ent[i:i + step] = c_lse - torch.linalg.vecdot(p, x)
+            ent[i:i + step] = entropy_rows(x)
     return logp, ent, lse
 
 
 def rows_backward_torch(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
                         g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, inv_temp: float,
                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient w.r.t. 2-D logits, computed per row chunk in float32, stored in the logits' dtype."""
+    """Gradient w.r.t. 2-D logits, computed per row chunk in float32 (float64 for float64 logits),
+    stored in the logits' dtype."""
     rows, vocab = logits.shape
+    cdt = compute_dtype(logits.dtype)
     grad = torch.empty_like(logits) if out is None else out
     step = _rows_per_chunk(vocab)
     for i in range(0, rows, step):
-        x = logits[i:i + step].float()
+        x = logits[i:i + step].to(cdt)
         if inv_temp != 1.0:
             x = x * inv_temp
         logp = x - lse[i:i + step].unsqueeze(-1)  # (chunk, V)
         p = torch.exp(logp)
         g = torch.zeros_like(p)
         if g_lp is not None:
-            glp = g_lp[i:i + step].float().unsqueeze(-1)  # (chunk, 1)
+            glp = g_lp[i:i + step].to(cdt).unsqueeze(-1)  # (chunk, 1)
             g = -p * glp
             g.scatter_add_(-1, labels[i:i + step].unsqueeze(-1), glp)
         if g_ent is not None:
-            gent = g_ent[i:i + step].float().unsqueeze(-1)
+            gent = g_ent[i:i + step].to(cdt).unsqueeze(-1)
             g = g - gent * p * (logp + ent[i:i + step].unsqueeze(-1))
         if inv_temp != 1.0:
             g = g * inv_temp
@@ -131,10 +154,10 @@ def _check_inputs(logits: torch.Tensor, labels: torch.Tensor, temperature: float
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                           return_entropy: bool = False, backend: str = "auto"):
-    """log softmax(logits / T) at `labels` (float32, labels' shape); with entropy if asked.
+    """log softmax(logits / T) at `labels` (labels' shape); with entropy if asked.
 
     logits: (..., V) in bf16 / fp16 / fp32 / fp64; labels: (...) integer ids in [0, V).
-    Differentiable w.r.t. logits (both outputs). Returns `log_probs` or `(log_probs, entropy)`.
+    Outputs are float32, or float64 for float64 logits (which take the torch path). Differentiable w.r.t. logits (both outputs). Returns `log_probs` or `(log_probs, entropy)`.
     """
     _check_inputs(logits, labels, temperature)
     triton_path = use_triton(logits, backend) and logits.dtype != torch.float64
@@ -148,6 +171,7 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, backend: str = "auto") -> torch.Tensor:
-    """Entropy of softmax(logits / T) per position, float32, shape logits.shape[:-1]; differentiable."""
+    """Entropy of softmax(logits / T) per position (float32; float64 for float64 logits), shape
+    logits.shape[:-1]; differentiable."""
     labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     return log_probs_from_logits(logits, labels, temperature, return_entropy=True, backend=backend)[1]

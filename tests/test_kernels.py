@@ -148,6 +148,61 @@ def test_entropy_from_logits_and_edge_shapes():
             log_probs_from_logits(torch.randn(3, 7), torch.zeros(3, dtype=torch.long), backend="triton")
 
 
+PEAKED_ABS_TOL = 2e-5  # entropy, absolute, float32 logits at logit scale 30 (a plain fp32 torch formula: ~2e-6)
+
+
+def peaked_logits(rows: int, vocab: int, scale: float = 30.0, seed: int = 5) -> torch.Tensor:
+    """float32 logits of nearly one-hot distributions (entropies from ~0 to ~1 nat), rounded once."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * scale).float()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_entropy_of_peaked_distributions(temperature):
+    logits = peaked_logits(16, 1000)
+    labels = torch.randint(0, 1000, (16,), generator=torch.Generator().manual_seed(0))
+    _, ref_ent = ref_log_probs(logits.double(), labels, temperature)
+    _, ent = log_probs_from_logits(logits, labels, temperature, return_entropy=True, backend="torch")
+    err = (ent.double() - ref_ent).abs().max().item()
+    assert err < PEAKED_ABS_TOL, f"entropy abs error {err:.2e}"
+    # linear_log_probs on the same logits: hidden = identity rows, weight = logits^T
+    weight = logits.T.contiguous()  # (V, 16)
+    _, lin_ent = linear_log_probs(torch.eye(16), weight, labels, temperature, return_entropy=True, backend="torch")
+    err = (lin_ent.double() - ref_ent).abs().max().item()
+    assert err < PEAKED_ABS_TOL, f"linear entropy abs error {err:.2e}"
+
+
+def test_float64_inputs_keep_float64():
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(3, 4, 37, generator=g, dtype=torch.float64) * 4).requires_grad_(True)
+    labels = torch.randint(0, 37, (3, 4), generator=g)
+    logp, ent = log_probs_from_logits(logits, labels, 0.8, return_entropy=True)
+    assert logp.dtype == torch.float64 and ent.dtype == torch.float64
+    assert entropy_from_logits(logits.detach()).dtype == torch.float64
+    x64 = logits.detach().clone().requires_grad_(True)
+    ref_lp, ref_ent = ref_log_probs(x64, labels, 0.8)
+    assert_rel(logp, ref_lp, torch.float64, "logp")
+    assert_rel(ent, ref_ent, torch.float64, "entropy")
+    (grad,) = torch.autograd.grad((logp + ent).sum(), logits)
+    (ref_grad,) = torch.autograd.grad((ref_lp + ref_ent).sum(), x64)
+    assert grad.dtype == torch.float64
+    assert_rel(grad, ref_grad, torch.float64, "grad")
+    hidden = torch.randn(2, 5, 8, generator=g, dtype=torch.float64).requires_grad_(True)
+    weight = torch.randn(41, 8, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.randint(0, 41, (2, 5), generator=g)
+    logp, ent = linear_log_probs(hidden, weight, labels, return_entropy=True, chunk_size=3)
+    assert logp.dtype == torch.float64 and ent.dtype == torch.float64
+    h64, w64 = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    ref_lp, ref_ent = ref_linear(h64, w64, labels, 1.0)
+    assert_rel(logp, ref_lp, torch.float64, "linear logp")
+    assert_rel(ent, ref_ent, torch.float64, "linear entropy")
+    gh, gw = torch.autograd.grad((logp + ent).sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad((ref_lp + ref_ent).sum(), (h64, w64))
+    assert gh.dtype == torch.float64 and gw.dtype == torch.float64
+    assert_rel(gh, rh, torch.float64, "linear grad hidden")
+    assert_rel(gw, rw, torch.float64, "linear grad weight")
+
+
 # ----------------------------------------------------------------------------- linear log-probs
 def ref_linear(h64, w64, labels, temperature):
     return ref_log_probs(h64 @ w64.T, labels, temperature)

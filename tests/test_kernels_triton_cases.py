@@ -27,8 +27,10 @@ from tinyzero.kernels import (  # noqa: E402
 )
 
 from tests.test_kernels import (  # noqa: E402
+    PEAKED_ABS_TOL,
     assert_rel,
     gae_inputs,
+    peaked_logits,
     poisoned,
     ref_gae,
     ref_linear,
@@ -92,6 +94,23 @@ def test_log_probs_kernel_many_vocab_blocks(monkeypatch):
     ref_lp, ref_ent = ref_log_probs(logits.double(), labels, 1.0)
     assert_rel(logp, ref_lp, torch.float32)
     assert_rel(ent, ref_ent, torch.float32)
+
+
+def test_entropy_of_peaked_distributions_kernel(monkeypatch):
+    """Logit scale 30: absolute entropy error under 2e-5, in one vocabulary block and across many."""
+    logprobs_triton, _ = _tk()
+    logits = peaked_logits(6, 300)
+    labels = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(0))
+    _, ref_ent = ref_log_probs(logits.double(), labels, 0.6)
+    for block in (None, 32):
+        if block is not None:
+            monkeypatch.setattr(logprobs_triton, "_block_v", lambda vocab, b=block: b)
+        _, ent = log_probs_from_logits(logits, labels, 0.6, return_entropy=True, backend="triton")
+        err = (ent.double() - ref_ent).abs().max().item()
+        assert err < PEAKED_ABS_TOL, f"block {block}: entropy abs error {err:.2e}"
+    _, lin_ent = linear_log_probs(torch.eye(6), logits.T.contiguous(), labels, 0.6, return_entropy=True,
+                                  backend="triton")
+    assert (lin_ent.double() - ref_ent).abs().max().item() < PEAKED_ABS_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
