@@ -1,5 +1,10 @@
 """TinyZero's countdown runs on Qwen2.5-3B: PPO as TinyZero's script sets it, and GRPO beside it.
 
+The PPO preset follows TinyZero's scripts/train_tiny_zero.sh over veRL's ppo_trainer.yaml of that
+time (fp32 actor and critic weights, no gradient checkpointing, dynamic batch sizes, no
+validation before training). docs/USAGE.md ("PPO and GRPO on countdown") lists what still
+differs. The GRPO preset is ours: TinyZero's script runs PPO only.
+
     python -m tinyzero.data.preprocess.countdown --out data/countdown
     torchrun --nproc_per_node 2 train.py --preset countdown_qwen2_5_3b_ppo \
         --actor_rollout_ref.model.path /models/Qwen2.5-3B
@@ -24,11 +29,13 @@ def countdown_qwen2_5_3b_ppo() -> Config:
 
     arr = cfg.actor_rollout_ref
     arr.model.path = "/models/Qwen2.5-3B"
-    arr.model.dtype = "auto"
-    arr.model.enable_gradient_checkpointing = True
+    arr.model.dtype = "fp32"  # fp32 master weights, bf16 compute (veRL's actor then)
+    arr.model.enable_gradient_checkpointing = False  # TinyZero leaves veRL's default (off)
     arr.actor.optim.lr = 1e-6
     arr.actor.ppo_mini_batch_size = 64
-    arr.actor.ppo_micro_batch_size_per_gpu = 8
+    arr.actor.ppo_micro_batch_size_per_gpu = 8  # unused while use_dynamic_bsz
+    arr.actor.use_dynamic_bsz = True
+    arr.actor.ppo_max_token_len_per_gpu = 16384
     arr.actor.entropy_coeff = 0.001
     arr.actor.use_kl_loss = False
     arr.rollout.name = "vllm"
@@ -37,11 +44,20 @@ def countdown_qwen2_5_3b_ppo() -> Config:
     arr.rollout.tensor_model_parallel_size = 2
     arr.rollout.gpu_memory_utilization = 0.4
     arr.rollout.log_prob_micro_batch_size_per_gpu = 8
+    arr.rollout.log_prob_use_dynamic_bsz = True  # veRL interpolates these from the actor's use_dynamic_bsz
+    arr.rollout.log_prob_max_token_len_per_gpu = 16384
     arr.ref.log_prob_micro_batch_size_per_gpu = 4
+    arr.ref.log_prob_use_dynamic_bsz = True
+    arr.ref.log_prob_max_token_len_per_gpu = 16384
 
     cfg.critic.optim.lr = 1e-5
     cfg.critic.ppo_mini_batch_size = 64
     cfg.critic.ppo_micro_batch_size_per_gpu = 8
+    cfg.critic.use_dynamic_bsz = True
+    cfg.critic.ppo_max_token_len_per_gpu = 32768
+    cfg.critic.forward_max_token_len_per_gpu = 32768
+    cfg.critic.model.dtype = "fp32"
+    cfg.critic.model.enable_gradient_checkpointing = False
 
     alg = cfg.algorithm
     alg.adv_estimator = "gae"
@@ -60,6 +76,7 @@ def countdown_qwen2_5_3b_ppo() -> Config:
     t.test_freq = 100
     t.save_freq = 100
     t.critic_warmup = 0
+    t.val_before_train = False
     return cfg
 
 

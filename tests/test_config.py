@@ -44,6 +44,18 @@ def test_countdown_ppo_matches_tinyzero_script():
     assert (cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef) == ("fixed", 0.001)
     assert cfg.actor_rollout_ref.rollout.n == 1 and cfg.actor_rollout_ref.rollout.temperature == 1.0
     assert (cfg.trainer.total_epochs, cfg.trainer.test_freq, cfg.trainer.save_freq) == (15, 100, 100)
+    # the rest of scripts/train_tiny_zero.sh over veRL's ppo_trainer.yaml of the time
+    assert not cfg.trainer.val_before_train
+    assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 16384
+    r, ref, c = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
+    assert r.log_prob_use_dynamic_bsz and ref.log_prob_use_dynamic_bsz and c.use_dynamic_bsz
+    assert (r.log_prob_max_token_len_per_gpu, ref.log_prob_max_token_len_per_gpu) == (16384, 16384)
+    assert (c.ppo_max_token_len_per_gpu, c.forward_max_token_len_per_gpu) == (32768, 32768)
+    m = cfg.actor_rollout_ref.model
+    assert not m.enable_gradient_checkpointing and not c.model.enable_gradient_checkpointing
+    assert m.dtype == "fp32" and c.model.dtype == "fp32"
+    assert (r.tensor_model_parallel_size, r.gpu_memory_utilization, r.n) == (2, 0.4, 1)
+    assert (cfg.data.val_batch_size, c.ppo_mini_batch_size, c.cliprange_value) == (1312, 64, 0.5)
 
 
 def test_grpo_variant_changes_only_a_few_fields():
