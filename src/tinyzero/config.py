@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -360,8 +361,11 @@ def merge_dict(base: Any, values: dict, path: str = "") -> Any:
         current = getattr(base, key)
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
             changes[key] = merge_dict(current, value, where)
+        elif dataclasses.is_dataclass(current):
+            raise ConfigError(f"config section {where} must be a mapping of its fields, got "
+                              f"{type(value).__name__} {value!r}"[:300])
         else:
-            changes[key] = _coerce(value, hints.get(key))
+            changes[key] = _check_type(_coerce(value, hints.get(key)), hints.get(key), where)
     try:
         return dataclasses.replace(base, **changes)
     except TypeError as e:
@@ -380,6 +384,42 @@ def _coerce(value: Any, hint: Any) -> Any:
     return value
 
 
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """A YAML value must fit its field's scalar type or choices (lists and dicts are left to the field's
+    own checks); numbers written as strings ("1e-6", which YAML reads as a string) become numbers."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{where}={value!r} is not valid{_nearest(str(value), [str(c) for c in choices])}; "
+                              f"choose one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return value
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return _check_type(value, arg, where)
+                except ConfigError:
+                    pass
+        names = " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+        raise ConfigError(f"{where} must be {names}, got {type(value).__name__} {value!r}"[:300])
+    if hint in (int, float) and isinstance(value, str):
+        try:
+            value = int(value) if hint is int else float(value)
+        except ValueError:
+            pass
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}.get(hint)
+    if ok is not None and not ok(value):
+        raise ConfigError(f"{where} must be {hint.__name__}, got {type(value).__name__} {value!r}"[:300])
+    return value
+
+
 def dump_yaml(cfg: Config, path: str) -> None:
     """Write the resolved config (rerun it with `--config path`)."""
     with open(path, "w") as f:
@@ -393,7 +433,18 @@ def load_yaml(path: str, base: Config | None = None) -> Config:
             values = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
-    return merge_dict(base if base is not None else Config(), values)
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a folder; pass a YAML file (e.g. RUN/config.yaml)") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        # Tags such as !!python/object are refused by the safe loader: a config holds plain values only.
+        problem = " ".join(str(e).split())
+        raise ConfigError(f"--config {path}: not a plain YAML config ({problem})") from None
+    try:
+        return merge_dict(base if base is not None else Config(), values)
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
 
 
 # --------------------------------------------------------------------------- presets and CLI

@@ -8,6 +8,11 @@ A training row holds
                   list or dict such as {"target": 24, "numbers": [3, 5, 8]})
     extra_info    dict                      e.g. {"split": "train", "index": 7}
 Other columns are allowed and are passed through to the batch's non-tensors.
+
+The ground truth is also checked against what the built-in scorer of the row's data_source
+reads (GROUND_TRUTH_CHECKS, resolved through the reward registry's lookup): a countdown row
+whose ground truth lacks "target" would otherwise train on reward 0. A file that is empty or
+not parquet is one error naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import pyarrow.parquet as pq
 __all__ = [
     "REQUIRED_FIELDS",
     "ROLES",
+    "GROUND_TRUTH_CHECKS",
+    "check_ground_truth",
+    "open_parquet",
     "validate_rl_row",
     "validate_rl_parquet",
     "iter_parquet_rows",
@@ -36,7 +44,68 @@ _READ_BATCH_ROWS = 8192
 
 def _check_file(path: str) -> None:
     if not os.path.isfile(path):
-        raise ValueError(f"data file {path!r} does not exist (check data.train_files / data.val_files)")
+        what = "is a folder, not a parquet file" if os.path.isdir(path) else "does not exist"
+        raise ValueError(f"data file {path!r} {what} (check data.train_files / data.val_files)")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"data file {path!r} is empty (0 bytes); write it again (was its writer interrupted?)")
+
+
+def open_parquet(path: str) -> pq.ParquetFile:
+    """pq.ParquetFile of `path`; a missing, empty or non-parquet file is a ValueError naming it."""
+    _check_file(path)
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"data file {path!r} is not a readable parquet file ({e}); write it with "
+                         "tinyzero.data.write_parquet or pandas.DataFrame.to_parquet") from None
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _countdown_truth(gt) -> str | None:
+    if not isinstance(gt, dict) or not _is_number(gt.get("target")) or not isinstance(gt.get("numbers"), list):
+        return f"countdown needs {{'target': number, 'numbers': [int, ...]}}, got {gt!r}"[:200]
+    if not gt["numbers"] or not all(isinstance(n, int) and not isinstance(n, bool) for n in gt["numbers"]):
+        return f"countdown 'numbers' must be a non-empty list of integers, got {gt['numbers']!r}"[:200]
+    return None
+
+
+def _integer_truth(gt) -> str | None:
+    try:
+        int(str(gt).strip())
+    except ValueError:
+        return f"arithmetic needs an integer (or its string), got {gt!r}"[:200]
+    return None if not isinstance(gt, (dict, list, bool)) else f"arithmetic needs an integer, got {gt!r}"[:200]
+
+
+def _scalar_truth(gt) -> str | None:
+    if isinstance(gt, (str, int, float)) and not isinstance(gt, bool):
+        return None
+    return f"expected the answer as a string or number, got {type(gt).__name__} {gt!r}"[:200]
+
+
+GROUND_TRUTH_CHECKS = {"countdown": _countdown_truth, "arithmetic": _integer_truth, "gsm8k": _scalar_truth,
+                       "math": _scalar_truth}
+"""Built-in scorer name -> check of the ground truth it reads (None if fine, else the problem)."""
+
+
+def check_ground_truth(data_source: str, ground_truth) -> str | None:
+    """The problem with `ground_truth` for the built-in scorer `data_source` resolves to, or None.
+
+    Data sources without a built-in scorer (user-registered ones) are not checked.
+    """
+    from tinyzero.rewards.registry import SCORERS, SUBSTRING_RULES
+
+    fn = SCORERS.get(data_source)
+    if fn is None:
+        name = next((name for subs, name in SUBSTRING_RULES if any(s in data_source for s in subs)), None)
+        fn = SCORERS.get(name) if name else None
+    for name, check in GROUND_TRUTH_CHECKS.items():
+        if fn is not None and SCORERS.get(name) is fn:
+            return check(ground_truth)
+    return None
 
 
 def validate_rl_row(row: dict, prompt_key: str = "prompt") -> str | None:
@@ -69,6 +138,9 @@ def validate_rl_row(row: dict, prompt_key: str = "prompt") -> str | None:
         return "reward_model.ground_truth: missing"
     if "style" in rm and rm["style"] not in _STYLES:
         return f"reward_model.style: expected one of {_STYLES}, got {rm['style']!r}"
+    problem = check_ground_truth(source, rm["ground_truth"])
+    if problem is not None:
+        return f"reward_model.ground_truth: {problem} (data_source {source!r})"
     extra = row.get("extra_info")
     if not isinstance(extra, dict):
         return f"extra_info: expected a dict, got {type(extra).__name__}"
@@ -77,8 +149,7 @@ def validate_rl_row(row: dict, prompt_key: str = "prompt") -> str | None:
 
 def iter_parquet_rows(path: str, columns: list[str] | None = None) -> Iterator[dict]:
     """Rows of a parquet file as Python dicts, read in record batches (bounded memory)."""
-    _check_file(path)
-    pf = pq.ParquetFile(path)
+    pf = open_parquet(path)
     for batch in pf.iter_batches(batch_size=_READ_BATCH_ROWS, columns=columns):
         yield from batch.to_pylist()
 
@@ -96,8 +167,7 @@ def validate_rl_parquet(path: str, prompt_key: str = "prompt") -> int:
 
     Raises ValueError naming the file, the row index and the field of the first bad row.
     """
-    _check_file(path)
-    names = pq.ParquetFile(path).schema_arrow.names
+    names = open_parquet(path).schema_arrow.names
     _check_columns(path, names, prompt_key)
     n = 0
     for i, row in enumerate(iter_parquet_rows(path)):

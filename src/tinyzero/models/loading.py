@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 
 import torch
@@ -49,6 +50,20 @@ def find_weight_files(folder: str) -> list[str]:
     if st:
         return st
     return sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+
+
+def check_weight_files(folder: str) -> None:
+    """Every safetensors file's header must parse: else one ValueError naming the file."""
+    from safetensors import safe_open
+
+    check_json_file(os.path.join(folder, "model.safetensors.index.json"), "the weight index")
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError and OSError alike mean a bad file
+            raise ValueError(f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated, "
+                             "copy or export the model again") from None
 
 
 def check_tokenizer_path(path: str) -> str:
@@ -98,12 +113,37 @@ def pick_attn_implementation(device: torch.device | str, requested: str | None =
     return requested
 
 
+def check_json_file(path: str, what: str) -> None:
+    """A JSON file that exists must parse: else one ValueError naming the file, line and column."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {what} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the "
+                         "file is corrupt or truncated, copy or export it again") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read {what} ({e})") from None
+
+
+def _load_error(folder: str, what: str, e: Exception) -> ValueError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValueError(f"{folder}: cannot load the {what} ({type(e).__name__}: {first}); the files are corrupt, "
+                      "incomplete or not an HF model folder")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "left"):
     """AutoTokenizer from a local folder; a missing pad token falls back to eos (with a warning)."""
     from transformers import AutoTokenizer
 
     full = check_tokenizer_path(path)
-    tok = AutoTokenizer.from_pretrained(full, trust_remote_code=trust_remote_code, local_files_only=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"):
+        check_json_file(os.path.join(full, name), name)
+    try:
+        tok = AutoTokenizer.from_pretrained(full, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own types; the folder is what to fix
+        raise _load_error(full, "tokenizer", e) from e
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError(f"tokenizer at {path!r} has neither a pad nor an eos token")
@@ -120,7 +160,11 @@ def load_hf_config(path: str, trust_remote_code: bool = False, override_config: 
     from transformers import AutoConfig
 
     full = check_model_path(path, need_weights=False)
-    cfg = AutoConfig.from_pretrained(full, trust_remote_code=trust_remote_code, local_files_only=True)
+    check_json_file(os.path.join(full, "config.json"), "the model config")
+    try:
+        cfg = AutoConfig.from_pretrained(full, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _load_error(os.path.join(full, "config.json"), "model config", e) from e
     for key, value in (override_config or {}).items():
         setattr(cfg, key, value)
     return cfg
@@ -174,10 +218,14 @@ def load_model(
                                      trust_remote_code=trust_remote_code)
         _attach_generation_config(model, full)
         return model
-    model = auto.from_pretrained(
-        full, config=cfg, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
-        local_files_only=True,
-    )
+    check_weight_files(full)
+    try:
+        model = auto.from_pretrained(
+            full, config=cfg, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
+            local_files_only=True,
+        )
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        raise _load_error(full, "model weights", e) from e
     return model.to(device)
 
 
