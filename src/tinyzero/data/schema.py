@@ -67,7 +67,8 @@ def _is_number(x) -> bool:
 def _countdown_truth(gt) -> str | None:
     if not isinstance(gt, dict) or not _is_number(gt.get("target")) or not isinstance(gt.get("numbers"), list):
         return f"countdown needs {{'target': number, 'numbers': [int, ...]}}, got {gt!r}"[:200]
-    if not gt["numbers"] or not all(isinstance(n, int) and not isinstance(n, bool) for n in gt["numbers"]):
+    # Parquet may store the numbers as floats (a column unifies its rows' types): whole floats are fine.
+    if not gt["numbers"] or not all(_is_number(n) and float(n).is_integer() for n in gt["numbers"]):
         return f"countdown 'numbers' must be a non-empty list of integers, got {gt['numbers']!r}"[:200]
     return None
 
