@@ -11,51 +11,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from bench.chaos import ENV, ROOT, comparable, train_cmd, worker_pids
 from tinyzero.trainer.loggers import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
 STEPS = 5
 pytestmark = pytest.mark.slow
-
-
-def train_cmd(data_dir: str, model_dir: str, run_dir: str, *extra: str) -> list[str]:
-    """torchrun on 2 CPU ranks of the demo preset with the tiny model (no validation, no plots, no export)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            os.path.join(ROOT, "train.py"), "--preset", "demo_cpu", f"--data.train_files={data_dir}/train.parquet",
-            f"--data.val_files={data_dir}/test.parquet", f"--actor_rollout_ref.model.path={model_dir}",
-            f"--trainer.default_local_dir={run_dir}", "--trainer.plot=false", "--trainer.val_before_train=false",
-            "--trainer.export_hf=false", "--trainer.test_freq=1000", f"--trainer.total_training_steps={STEPS}",
-            *extra]
-
-
-def worker_pids(launcher_pid: int) -> dict[int, int]:
-    """{RANK: pid} of the worker processes a torchrun launcher started."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
-            out[int(env[b"RANK"])] = int(name)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return out
-
-
-def comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("timing", "perf/", "reward/parallel"))}
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +32,10 @@ def demo_data(tmp_path_factory):
 
 
 def test_sigterm_saves_then_resume_matches_uninterrupted(demo_data, tiny_model_dir, tmp_path):
-    full = subprocess.run(train_cmd(demo_data, tiny_model_dir, str(tmp_path / "full")), env=ENV, cwd=ROOT,
+    full = subprocess.run(train_cmd(demo_data, tiny_model_dir, str(tmp_path / "full"), STEPS), env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-4000:]
-    cmd = train_cmd(demo_data, tiny_model_dir, str(tmp_path / "cut"))
+    cmd = train_cmd(demo_data, tiny_model_dir, str(tmp_path / "cut"), STEPS)
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "cut" / "metrics.jsonl"
     deadline = time.monotonic() + 240
