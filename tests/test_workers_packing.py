@@ -322,3 +322,59 @@ def test_balance_batch_moves_groups_whole():
     assert all(len(set(c.tolist())) == len(c) // N for c in chunks)  # every group on one rank
     assert sorted(data.batch["uid"].tolist()) == sorted(uid.tolist())
     assert metrics["training/seqlen_balance_max_min_ratio"] >= 1.0
+
+
+def trainer_rank_fn(model_dir: str, data_dir: str, out_dir: str):
+    """One GRPO step through build_ppo_trainer + fit, with and without the old_log_prob pass."""
+    from tinyzero.config import load_preset
+    from tinyzero.distributed import init_distributed, set_seed
+    from tinyzero.trainer.builder import build_ppo_trainer
+
+    init_distributed()
+    torch.set_num_threads(1)
+    sources = {}
+    for source in ("update", "actor"):
+        cfg = load_preset("demo_cpu")
+        cfg.data.train_files, cfg.data.val_files = [f"{data_dir}/train.parquet"], []
+        cfg.data.train_batch_size = 4
+        cfg.actor_rollout_ref.model.path = model_dir
+        cfg.actor_rollout_ref.rollout.n = 4
+        cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 4  # one optimizer step: strictly on-policy
+        cfg.actor_rollout_ref.actor.entropy_coeff = 0.01  # a gradient even if a random model's rewards tie
+        t = cfg.trainer
+        t.default_local_dir = f"{out_dir}/{source}"
+        t.total_training_steps, t.val_before_train, t.plot, t.progress_bar = 1, False, False, False
+        t.resume_mode, t.export_hf = "disable", True
+        set_seed(0)
+        trainer = build_ppo_trainer(cfg)
+        chosen = trainer.old_log_prob_source()
+        if source == "actor":
+            trainer.old_log_prob_source = lambda: "actor"  # force the separate pass
+        metrics = trainer.fit()
+        trainer.close()
+        sources[source] = (chosen, {k: v for k, v in metrics.items() if k.startswith(("actor/", "timing_s/"))})
+    return sources
+
+
+@pytest.mark.slow
+def test_trainer_skips_old_log_prob_pass_with_same_parameters(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from tinyzero.demo import build_data
+
+    build_data(str(tmp_path / "data"))
+    out = run_distributed(trainer_rank_fn, 2, tiny_model_dir, str(tmp_path / "data"), str(tmp_path), timeout=600)[0]
+    assert out["update"][0] == "update"  # the trainer chose to skip by itself
+    skipped, with_pass = out["update"][1], out["actor"][1]
+    assert "timing_s/old_log_prob" not in skipped and "timing_s/old_log_prob" in with_pass
+    assert "timing_s/weight_sync" in skipped and skipped["timing_s/weight_sync"] >= 0.0
+    assert skipped["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert skipped["actor/grad_norm"] == pytest.approx(with_pass["actor/grad_norm"], rel=1e-5)
+    assert skipped["actor/entropy"] == pytest.approx(with_pass["actor/entropy"], rel=1e-5)
+    a = load_file(str(tmp_path / "update" / "hf_model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "actor" / "hf_model" / "model.safetensors"))
+    init = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert max(float((a[n] - init[n]).abs().max()) for n in a) > 1e-4  # the step moved the weights
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
