@@ -253,5 +253,17 @@ def test_compiled_decode_step_matches_eager_and_hf():
     sampled = _engine(model, native_compile=True, **cfg).generate_sequences(batch).batch
     eager = _engine(model, **cfg).generate_sequences(batch).batch
     assert torch.equal(sampled["responses"], eager["responses"])
+    # Compiled and eager sum in different orders; each is ~1.4e-5 from a float64 teacher-forced reference
+    # here (log-probs down to -7), so they are held to that fp32 rounding scale, not to bit equality.
     diff = (sampled["rollout_log_probs"] - eager["rollout_log_probs"]).abs().max()
-    assert diff < 1e-5, float(diff)
+    assert diff < 2e-5, float(diff)
+    b = eager
+    with torch.no_grad():
+        logits = model.double()(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                                position_ids=b["position_ids"]).logits
+    P = b["prompts"].shape[1]
+    ref_lp = torch.log_softmax(logits[:, P - 1:-1], -1).gather(-1, b["responses"][..., None])[..., 0]
+    m = b["response_mask"].bool()
+    for out in (sampled, eager):
+        err = (out["rollout_log_probs"].double() - ref_lp)[m].abs().max()
+        assert err < 2e-5, float(err)

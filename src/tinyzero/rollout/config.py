@@ -106,6 +106,11 @@ class RolloutConfig:
     Greedy output is unchanged (== HF generate); sampling draws the same uniforms, so the same seed
     gives the same tokens unless compiled logits, which may differ from eager in the last bits, flip
     a near-tie."""
+    native_prefix_sharing: bool = True
+    """Native engine: prefill each prompt once for its n samples and decode them against its shared
+    keys and values (the fused decoder keeps one prompt block per prompt plus a response block per row;
+    the HF decoder copies the prefilled cache to the rows). False prefills every row (n copies of each
+    prompt). Same samples for the same seed either way; only rounding in the last bits differs."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
 

@@ -5,7 +5,11 @@ stores tokens -- no Python per sequence -- and leaves early once every row holds
 token (checked every `sync_every` steps to bound host syncs); `finish_responses` then cuts
 each row after its first stop token (kept; later slots get the pad id and response_mask 0).
 
-Shapes: B batch, P padded prompt length, R response length, V vocab.
+Prefix sharing: with group_size g > 1 the B distinct prompts are prefilled once and each is decoded
+as g rows (row i*g + j is sample j of prompt i, the rows `repeat_interleave(g)` gives); the
+decoder, reset for (B, g), keeps the shared prompt keys (decoder.py).
+
+Shapes: B batch (prompts), P padded prompt length, R response length, V vocab, B*g rows.
 """
 
 from __future__ import annotations
@@ -36,22 +40,25 @@ def decode_one_token(decoder: Decoder, token: torch.Tensor, pos: torch.Tensor, k
 
 @torch.inference_mode()
 def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_pos: torch.Tensor,
-             params: SamplingParams, generator: torch.Generator | None,
-             sync_every: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Generate up to params.response_length tokens for every row.
+             params: SamplingParams, generator: torch.Generator | None, sync_every: int = 1, group_size: int = 1,
+             uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Generate up to params.response_length tokens for each of the group_size rows of every prompt.
 
-    Returns responses (B, R) int64 right-padded with params.pad_token_id, response_mask (B, R) int64
-    (1 up to and including the stop token) and log-probs (B, R) fp32 (0 where masked). Runs under
+    uniforms: the sampler's (R, B*g) float64 uniforms, drawn here from `generator` when None.
+    Returns responses (B*g, R) int64 right-padded with params.pad_token_id, response_mask (B*g, R) int64
+    (1 up to and including the stop token) and log-probs (B*g, R) fp32 (0 where masked). Runs under
     inference_mode (no version counters or autograd bookkeeping per op: ~7% of a CPU decode step),
     so the three are inference tensors: copy them (any out-of-place op does) before writing into
     them; the caches the decoder allocated outside may be written in here."""
-    B, P = prompt_ids.shape
+    P = prompt_ids.shape[1]
+    B = prompt_ids.shape[0] * group_size  # rows
     R = params.response_length
     device = prompt_ids.device
     key_valid = torch.ones(B, P + R, dtype=torch.bool, device=device)
-    key_valid[:, :P] = prompt_mask.bool()
+    key_valid[:, :P] = prompt_mask.bool().repeat_interleave(group_size, dim=0)
     # Position of response token t (fed at decode step t): one past the last prompt position, then +1 a step.
-    step_pos = prompt_pos[:, -1:] + 1 + torch.arange(R, device=device)  # (B, R)
+    last_pos = prompt_pos[:, -1:].repeat_interleave(group_size, dim=0)  # (B, 1)
+    step_pos = last_pos + 1 + torch.arange(R, device=device)  # (B, R)
     if hasattr(decoder, "begin"):
         decoder.begin(key_valid, step_pos)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
@@ -62,8 +69,13 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     checked = 0  # steps folded into `stopped`
 
     # Every step's uniforms at once (R * B numbers): one generator call per batch, not one per step.
-    uniforms = None if params.greedy else draw_uniforms((R, B), generator, device)
-    logits = prefill(decoder, prompt_ids, prompt_pos, key_valid)
+    if params.greedy:
+        uniforms = None
+    elif uniforms is None:
+        uniforms = draw_uniforms((R, B), generator, device)
+    logits = prefill(decoder, prompt_ids, prompt_pos, key_valid[:: group_size])  # (B / g, V)
+    if group_size > 1:
+        logits = logits.repeat_interleave(group_size, dim=0)  # (B, V): a prompt's rows share its first logits
     steps = R
     for t in range(R):
         report_progress("generate", token=t + 1, of=R)

@@ -20,8 +20,8 @@ from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.decoder import build_decoder
 from tinyzero.rollout.generate import generate
-from tinyzero.rollout.outputs import build_output, call_seed, check_prompt_batch, repeat_prompts
-from tinyzero.rollout.sampling import make_generator, resolve_sampling_params
+from tinyzero.rollout.outputs import PROMPT_KEYS, build_output, call_seed, check_prompt_batch, repeat_prompts
+from tinyzero.rollout.sampling import draw_uniforms, make_generator, resolve_sampling_params
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -129,21 +129,41 @@ class NativeRollout:
         seed = call_seed(self.config.seed, prompts.meta_info, self.num_calls, self.dp_rank)
         params = resolve_sampling_params(self.config, {**prompts.meta_info, "seed": seed}, seed)
         self.num_calls += 1
-        ids, mask, pos = (t.to(self.device) for t in repeat_prompts(prompts, params.n))
+        n, R = params.n, params.response_length
+        rows = len(prompts) * n
+        # Prefix sharing: generate() gets the distinct prompts and decodes n rows of each.
+        group = n if self.config.native_prefix_sharing else 1
+        src = prompts.batch if group > 1 else dict(zip(PROMPT_KEYS, repeat_prompts(prompts, n)))
+        ids, mask, pos = (src[k].to(self.device) for k in PROMPT_KEYS)
         generator = make_generator(self.device, params.seed)
-        sync_every = 16 if self.device.type == "cuda" else 4
-        rows = ids.shape[0]
         chunk = self.config.max_num_seqs
+        # Uniforms per max_num_seqs rows, in row order: the same samples whatever the prompts' grouping.
+        uniforms = None if params.greedy else torch.cat(
+            [draw_uniforms((R, min(rows, s + chunk) - s), generator, self.device) for s in range(0, rows, chunk)], 1)
+        sync_every = 16 if self.device.type == "cuda" else 4
         parts = []
-        for s in range(0, rows, chunk):
-            e = min(rows, s + chunk)
-            self.decoder.reset(e - s, ids.shape[1] + params.response_length)
-            parts.append(generate(self.decoder, ids[s:e], mask[s:e], pos[s:e], params, generator, sync_every))
+        for p0, p1, g, r0 in plan_chunks(ids.shape[0], group, chunk):
+            self.decoder.reset(p1 - p0, ids.shape[1], R, g)
+            u = None if uniforms is None else uniforms[:, r0:r0 + (p1 - p0) * g]
+            parts.append(generate(self.decoder, ids[p0:p1], mask[p0:p1], pos[p0:p1], params, None, sync_every,
+                                  group_size=g, uniforms=u))
         # torch.cat copies generate()'s inference tensors into ordinary ones (the trainer writes into them).
         responses, response_mask, log_probs = (torch.cat(x, dim=0) for x in zip(*parts))
         # The temperature the log-probs were taken at (greedy: none, they are at T = 1), for compute_log_prob.
         meta = {} if params.greedy else {"temperature": params.temperature}
-        out = build_output(ids, mask, pos, responses, response_mask, log_probs, meta_info=meta)
+        prompt_rows = (t.cpu() for t in repeat_prompts(prompts, n))
+        out = build_output(*prompt_rows, responses.cpu(), response_mask.cpu(), log_probs.cpu(), meta_info=meta)
         if self.device.type == "cuda":
             self.memory["peak_generate_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        return out.to("cpu")
+        return out
+
+
+def plan_chunks(num_prompts: int, group_size: int, max_rows: int) -> list[tuple[int, int, int, int]]:
+    """Split num_prompts prompts of group_size rows each into decode batches of at most max_rows rows:
+    (first prompt, end prompt, rows per prompt, first row) per batch, in row order. Whole groups go
+    together; a group larger than max_rows is split into sub-groups that each prefill the prompt."""
+    if group_size <= max_rows:
+        per = max_rows // group_size
+        return [(p, min(num_prompts, p + per), group_size, p * group_size) for p in range(0, num_prompts, per)]
+    return [(p, p + 1, min(max_rows, group_size - j), p * group_size + j)
+            for p in range(num_prompts) for j in range(0, group_size, max_rows)]

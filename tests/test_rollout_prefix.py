@@ -1,0 +1,158 @@
+"""Prefix-shared rollout in the native engine: a prompt's n samples share one prefill.
+
+Checks, for the fused decoder and the HF decoder: greedy output equal to the unshared path
+(every row prefilled) and to HF generate token for token; sampled output with a fixed seed equal
+to the unshared path's (the same uniforms per row), log-probs against a float64 teacher-forced
+reference; decode batches split by max_num_seqs (groups split in sub-groups too) giving the same
+samples; the shared attention against a float64 loop; and the prefill work saved (tokens through
+the prefill, prompt cache size).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.test_rollout_native import _engine, _hf_greedy, _prompt_batch, _random_model
+from tinyzero.rollout.attention import shared_decode_attention
+from tinyzero.rollout.native import plan_chunks
+
+IMPLS = ["fused", "hf"]
+
+
+def _run(model, batch, impl: str, share: bool, **cfg):
+    return _engine(model, impl, native_prefix_sharing=share, **cfg).generate_sequences(batch).batch
+
+
+def _teacher_forced_log_probs(model, out, temperature: float) -> torch.Tensor:
+    """float64 log_softmax(logits / T) of every response token, from one HF forward over prompt + response."""
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits = m64(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                     position_ids=out["position_ids"]).logits
+    P = out["prompts"].shape[1]
+    return torch.log_softmax(logits[:, P - 1:-1] / temperature, -1).gather(-1, out["responses"][..., None])[..., 0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_greedy_shared_equals_unshared_and_hf_generate(impl):
+    model = _random_model()
+    n = 3
+    batch = _prompt_batch(4, 9, model.config.vocab_size, meta={"n": n})  # left padding 0, 3, 6, 0
+    shared = _run(model, batch, impl, True, response_length=20, do_sample=False)
+    plain = _run(model, batch, impl, False, response_length=20, do_sample=False)
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "prompts"):
+        assert torch.equal(shared[key], plain[key]), key
+    ref = _hf_greedy(model, batch, 20).repeat_interleave(n, 0)
+    assert torch.equal(shared["responses"][:, : ref.shape[1]], ref)
+    assert (shared["responses"][:, ref.shape[1]:] == 0).all()
+    diff = (shared["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max()
+    assert diff < 2e-5, float(diff)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sampled_shared_same_samples_as_unshared(impl):
+    """Same seed, same tokens as the unshared path (the sampler draws per row); log-probs within fp32
+    rounding of a float64 teacher-forced forward (the shared path splits the attention sums in two)."""
+    model = _random_model(std=0.15)
+    n, T = 4, 0.8
+    batch = _prompt_batch(3, 7, model.config.vocab_size, meta={"temperature": T, "seed": 11})
+    cfg = dict(response_length=16, n=n, seed=5)
+    shared = _run(model, batch, impl, True, **cfg)
+    plain = _run(model, batch, impl, False, **cfg)
+    assert torch.equal(shared["responses"], plain["responses"])
+    assert torch.equal(shared["response_mask"], plain["response_mask"])
+    r = shared["responses"]
+    assert not all(torch.equal(r[n * i], r[n * i + 1]) for i in range(3))  # independent draws per row
+    ref = _teacher_forced_log_probs(model, shared, T)
+    m = shared["response_mask"].bool()
+    for out in (shared, plain):
+        err = (out["rollout_log_probs"].double() - ref)[m].abs().max()
+        assert err < 2e-5, float(err)
+
+
+@pytest.mark.parametrize("max_num_seqs", [5, 3])  # 5: not a multiple of n; 3: a group split into sub-groups
+def test_decode_batches_by_max_num_seqs_give_the_unshared_samples(max_num_seqs):
+    """Decode batches of whole groups (or sub-groups) draw the uniforms the unshared path draws per
+    max_num_seqs rows, so the samples are the same."""
+    model = _random_model(std=0.15)
+    batch = _prompt_batch(3, 6, model.config.vocab_size)
+    cfg = dict(response_length=10, n=4, seed=2, max_num_seqs=max_num_seqs)
+    shared = _run(model, batch, "fused", True, **cfg)
+    plain = _run(model, batch, "fused", False, **cfg)
+    assert torch.equal(shared["responses"], plain["responses"])
+    diff = (shared["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max()
+    assert diff < 2e-5, float(diff)
+
+
+def test_plan_chunks():
+    assert plan_chunks(3, 4, 256) == [(0, 3, 4, 0)]
+    assert plan_chunks(3, 4, 5) == [(0, 1, 4, 0), (1, 2, 4, 4), (2, 3, 4, 8)]
+    assert plan_chunks(2, 4, 3) == [(0, 1, 3, 0), (0, 1, 1, 3), (1, 2, 3, 4), (1, 2, 1, 7)]
+    assert plan_chunks(5, 1, 2) == [(0, 2, 1, 0), (2, 4, 1, 2), (4, 5, 1, 4)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_shared_decode_attention_matches_float64_loop(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    Bp, grp, H, KV, D, P, T = 3, 4, 6, 2, 16, 7, 5
+    q = torch.randn(Bp * grp, H, D, generator=g)
+    kp, vp = torch.randn(Bp, KV, P, D, generator=g), torch.randn(Bp, KV, P, D, generator=g)
+    kr, vr = torch.randn(Bp, KV, grp, T, D, generator=g), torch.randn(Bp, KV, grp, T, D, generator=g)
+    valid = torch.ones(Bp, P, dtype=torch.bool)
+    valid[0, :3] = False  # left padding of prompt 0
+    valid[2, :1] = False
+    bias = torch.zeros(Bp, P).masked_fill(~valid, float("-inf")).repeat_interleave(KV, 0)[:, None]
+    scale = D**-0.5
+    got = shared_decode_attention(q.to(dtype), kp.transpose(-1, -2).to(dtype), vp.to(dtype),
+                                  kr.transpose(-1, -2).to(dtype), vr.to(dtype), bias, scale)
+    ref = torch.zeros(Bp * grp, H, D, dtype=torch.float64)
+    for row in range(Bp * grp):
+        i, j = divmod(row, grp)
+        for h in range(H):
+            kv = h // (H // KV)
+            keys = torch.cat([kp[i, kv][valid[i]], kr[i, kv, j]]).double()  # (valid P + T, D)
+            vals = torch.cat([vp[i, kv][valid[i]], vr[i, kv, j]]).double()
+            w = torch.softmax(keys @ q[row, h].double() * scale, dim=0)
+            ref[row, h] = w @ vals
+    err = (got.double().view(Bp * grp, H, D) - ref).abs().max()
+    assert err < tol, float(err)
+
+
+def test_prefill_runs_each_prompt_once():
+    """Prefill FLOPs: the shared path pushes B*P prompt tokens through the model instead of B*n*P, and its
+    prompt cache holds B prompts, not B*n rows."""
+    model = _random_model()
+    n, B, P, R = 4, 3, 8, 6
+    batch = _prompt_batch(B, P, model.config.vocab_size, meta={"n": n})
+    counts = {}
+    for share in (True, False):
+        engine = _engine(model, "fused", response_length=R, do_sample=False, native_prefix_sharing=share)
+        seen = []
+        engine.decoder = _Counting(engine.decoder, seen)
+        engine.generate_sequences(batch)
+        counts[share] = sum(seen)
+        dec = engine.decoder.inner
+        if share:
+            assert dec.caches[0].k_cache.shape[0] == B and dec.caches[0].max_len == P
+            assert tuple(dec.group_caches[0].k_cache.shape[:3]) == (B, model.config.num_key_value_heads, n)
+        else:
+            assert dec.caches[0].k_cache.shape[0] == B * n and not dec.group_caches
+    assert counts == {True: B * P, False: B * n * P}
+
+
+class _Counting:
+    """A decoder wrapper that records the tokens of every prefill call (start == 0)."""
+
+    def __init__(self, inner, seen: list):
+        self.inner, self.seen = inner, seen
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, ids, pos, valid, start):
+        if start == 0:
+            self.seen.append(ids.numel())
+        return self.inner(ids, pos, valid, start)
