@@ -131,6 +131,14 @@ def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1, shard: bool 
             runs.append(vllm_engine.generate_sequences(batch).batch["responses"])
         results["seed_repeats"] = torch.equal(runs[0], runs[1])
         results["seed_changes"] = not torch.equal(runs[0], runs[2])
+        # Prefix caching: the n samples of a 40-token prompt (never seen before) read its cached block.
+        long = _prompts(tok, [" ".join(f"w{i}" for i in range(40))])
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            long.batch[key] = long.batch[key][:, :40]  # no padding (one prompt): keep the first 40 tokens
+        assert long.batch["attention_mask"].all() and long.batch["input_ids"].shape[1] == 40
+        long.meta_info.update(do_sample=True, n=4, response_length=8)  # within max_model_len (32 + 24)
+        vllm_engine.generate_sequences(long)
+        results["prefix_cache"] = dict(vllm_engine.prefix_cache_stats)
     vllm_engine.shutdown()
     return results
 
@@ -151,6 +159,7 @@ def test_vllm_matches_native_and_syncs_weights(vllm_tiny_dir):
     _check(res)
     assert res["n_rows"] == 8
     assert res["seed_repeats"] and res["seed_changes"], res
+    assert res["prefix_cache"]["cached_prompt_tokens"] >= 32, res  # one 32-token block at least (CPU blocks)
     # Rollout log-probs vs the trainer's (fp32 HF forward, float64 log_softmax): same weights and math.
     assert res["sampled_lp_mean_abs_diff"] < 1e-4, res
     assert res["sampled_lp_max_abs_diff"] < 1e-3, res

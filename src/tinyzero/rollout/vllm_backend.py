@@ -21,6 +21,11 @@ Facts this module relies on (0.32.0):
   head_dim in {32, 64, 80, 96, 112, 128, ...}, and the KV cache is sized explicitly with
   `kv_cache_memory_bytes` (gpu_memory_utilization would be a fraction of host RAM).
 * Parallel sampling (n > 1) with a request seed gives child j the seed `seed + j`.
+* Prefix caching works on CPU too (off only for MLA models and RISC-V): the n children of one
+  request (SamplingParams(n=...)) are scheduled together and all but the first read the prompt's
+  cached blocks (RequestOutput.num_cached_tokens shows it). Only full blocks are cached, and the
+  CPU backend's default block is 128 tokens, so prompts of up to 128 tokens would share nothing;
+  make_llm asks for 32-token blocks on CPU (the backend takes multiples of 32).
 * In-process, `LLM(...)` seeds the process's global generators with the engine seed; make_llm
   restores them (the trainer's streams stay those of trainer.seed).
 """
@@ -39,6 +44,7 @@ from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.sampling import SamplingParams
 
 CHECKED_VERSION = "0.32.0"
+CPU_BLOCK_SIZE = 32  # KV block (and prefix-cache) granularity on CPU; see the module docstring
 
 
 def vllm_available() -> str | None:
@@ -92,7 +98,7 @@ def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dty
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
                       enable_sleep_mode=config.free_cache_engine)
     else:
-        kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(config, hf_config, dtype))
+        kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(config, hf_config, dtype), block_size=CPU_BLOCK_SIZE)
     with _quiet_chat_warmup(), _keep_rng_state():
         llm = LLM(**kwargs)
     _guard_exit_teardown(llm)
@@ -164,11 +170,14 @@ def _guard_exit_teardown(llm) -> None:
         client._finalizer = weakref.finalize(client, _shutdown_while_world_alive, client.engine_core)
 
 
-def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams,
-             seed: int) -> tuple[list[list[int]], list[list[float]]]:
+def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams, seed: int,
+             stats: dict | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Generate params.n responses per prompt; rows come back interleaved (prompt i -> rows i*n .. i*n+n-1).
+    One request per prompt with SamplingParams(n=...): its n children share the prompt's cached blocks.
 
-    Returns per-row token ids and per-token log-probs (ragged; stop token included)."""
+    Returns per-row token ids and per-token log-probs (ragged; stop token included). stats, when given,
+    receives "prompt_tokens" (per prompt, once) and "cached_prompt_tokens" (the prefix-cache hits vLLM
+    reports per request, that of one of its children)."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -191,6 +200,9 @@ def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams,
     ]
     outputs = llm.generate(requests, sampling, use_tqdm=False)
     tokens, logprobs = [], []
+    if stats is not None:
+        stats["prompt_tokens"] = sum(len(ids) for ids in prompt_token_ids)
+        stats["cached_prompt_tokens"] = sum(int(req.num_cached_tokens or 0) for req in outputs)
     for req in outputs:
         for comp in sorted(req.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)

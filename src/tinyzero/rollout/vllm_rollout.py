@@ -50,6 +50,7 @@ class VLLMRollout:
                                          load_dummy=load_dummy, trust_remote_code=trust_remote_code)
         self._asleep = False
         self._warned_truncation = False
+        self.prefix_cache_stats: dict[str, int] = {}  # of the last generate call (vllm_backend.generate)
         self.memory: dict[str, float] = {"after_init_gb": cuda_memory_gb(self.device)}
 
     def update_weights(self, named_tensors) -> None:
@@ -94,7 +95,8 @@ class VLLMRollout:
             warnings.warn("vLLM reports log-probs of the top-k/top-p truncated distribution; the trainer "
                           "recomputes untruncated ones, so rollout and trainer log-probs differ", stacklevel=2)
             self._warned_truncation = True
-        tokens, logprobs = vllm_backend.generate(self.llm, raw_prompt_token_ids(prompts), params, params.seed)
+        tokens, logprobs = vllm_backend.generate(self.llm, raw_prompt_token_ids(prompts), params, params.seed,
+                                                 stats=self.prefix_cache_stats)
         responses, response_mask, log_probs = pad_responses(
             tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids)
         ids, mask, pos = repeat_prompts(prompts, params.n)
