@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         set_seed(cfg.trainer.seed)
         with hold_run_folder(cfg.trainer.default_local_dir):  # before anything in the folder is written
-            if cfg.trainer.save_on_signal:
+            if cfg.trainer.save_on_signal and cfg.trainer.mode == "ppo":  # the PPO loop checks at each step's end
                 install_stop_handlers(cfg.trainer.signal_grace_s)
             run(cfg)
         return 0
