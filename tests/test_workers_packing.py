@@ -111,6 +111,39 @@ def test_packed_log_probs_values_and_gradients_match_unpacked(models, n):
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_long_groups_cut_for_dense_masks_stay_exact(models, monkeypatch):
+    from tinyzero.workers.forward import response_log_probs
+    from tinyzero.workers.packing import pack
+
+    lm = models[0]
+    b = grouped_batch()
+    r = b["responses"].shape[1]
+    mask = b["response_mask"].bool()
+    whole = pack(b["input_ids"], b["attention_mask"], b["position_ids"], r, share_prefix=True)
+    cut = pack(b["input_ids"], b["attention_mask"], b["position_ids"], r, share_prefix=True, max_unit_tokens=10)
+    assert int((cut.segments >= 0).sum()) > int((whole.segments >= 0).sum())  # prompts repeated
+    with torch.no_grad():
+        base = response_log_probs(lm, b, 1.0, False, "none")[0]
+        monkeypatch.setattr("tinyzero.workers.forward.DENSE_ROW_TOKENS", 10)
+        got = response_log_probs(lm, b, 1.0, False, "shared_prefix")[0]
+    torch.testing.assert_close(got[mask], base[mask], rtol=0, atol=1e-5)
+
+
+def test_eager_attention_takes_the_additive_mask(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.workers.forward import attach_log_prob_method, response_log_probs
+
+    b = grouped_batch()
+    mask = b["response_mask"].bool()
+    out = {}
+    for impl, mode in (("sdpa", "none"), ("eager", "shared_prefix")):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl)
+        with torch.no_grad():
+            out[impl] = response_log_probs(attach_log_prob_method(model), b, 1.0, False, mode)[0]
+    torch.testing.assert_close(out["eager"][mask], out["sdpa"][mask], rtol=0, atol=1e-5)
+
+
 def test_shared_prefix_layout_computes_each_prompt_once():
     from tinyzero.workers.packing import pack, prompt_groups
 
@@ -122,7 +155,7 @@ def test_shared_prefix_layout_computes_each_prompt_once():
     packed = pack(b["input_ids"], b["attention_mask"], b["position_ids"], r, share_prefix=True)
     am = b["attention_mask"]
     prompt_tokens = int(am[::N, :p].sum())
-    real = int((packed.attention_mask[:, 0].diagonal(dim1=-2, dim2=-1) & (packed.input_ids > 0)).sum())
+    real = int((packed.segments >= 0).sum())
     assert real == prompt_tokens + int(am[:, p:].sum())  # the prompt once per group, every response
     plain = pack(b["input_ids"], b["attention_mask"], b["position_ids"], r, share_prefix=False)
     assert plain.input_ids.numel() >= int(am.sum()) > real
@@ -136,6 +169,24 @@ def test_shared_prefix_layout_computes_each_prompt_once():
         k = int(am[i, p:].sum())
         idx = packed.hidden_index[int(am[:i, p:].sum()):][:k]
         assert flat_ids[idx[1:]].tolist() == b["responses"][i, :k - 1].tolist()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_matches_dense_mask():
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    from tinyzero.workers.packing import pack
+
+    b = grouped_batch()
+    r = b["responses"].shape[1]
+    packed = pack(b["input_ids"], b["attention_mask"], b["position_ids"], r, share_prefix=True)
+    rows, length = packed.segments.shape
+    dense = packed.dense_mask()
+    assert torch.equal(create_mask(packed.mask_mod(), rows, None, length, length, device="cpu"), dense)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, 2, length, 8, generator=g) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=packed.block_mask()), ref, rtol=0, atol=1e-5)
 
 
 def test_token_budget_counts_packed_tokens_and_keeps_groups():

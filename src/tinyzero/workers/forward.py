@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tinyzero.workers.batching import trim_padding
-from tinyzero.workers.packing import model_mask, pack
+from tinyzero.workers.packing import DENSE_ROW_TOKENS, model_mask, pack
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -98,8 +98,10 @@ def attach_score_method(model: nn.Module) -> nn.Module:
 
 def _pack_batch(model: nn.Module, batch, packing: str):
     """(Packed, model-ready 4-D mask) of a micro-batch."""
+    dense = getattr(model.config, "_attn_implementation", "sdpa") != "flex_attention"
     packed = pack(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                  batch["responses"].shape[1], share_prefix=packing == "shared_prefix")
+                  batch["responses"].shape[1], share_prefix=packing == "shared_prefix",
+                  max_unit_tokens=DENSE_ROW_TOKENS if dense else None)
     dtype = model.get_input_embeddings().weight.dtype
     return packed, model_mask(packed, model, dtype)
 

@@ -25,14 +25,19 @@ columns `trim_padding` cuts.
 
 Units are placed into rows first-fit-decreasing with a row length of the longest unit, so
 attention (dense over each packed row with SDPA) costs about what the longest sequence costs.
+For dense masks a group longer than DENSE_ROW_TOKENS is cut into several units, each with its own
+copy of the prompt, which bounds the L x L mask (a single longer sequence keeps its own row).
 
 Attention backends: the mask goes to the HF model as a custom 4-D mask, which transformers uses
-as-is (masking_utils._preprocess_mask_arguments). SDPA takes the boolean mask, eager an additive
-float mask; other kernels (flash_attention_2) cannot take it, so `prepare_attention` switches a
-packed model to SDPA with a warning. Tested on CPU (fp32, SDPA). On GPU it is the same code (SDPA
-with a dense boolean mask, which keeps the memory-efficient kernel but computes the masked
-blocks); flex_attention block masks or flash-attn varlen, which skip them, are not wired in and
-untested here.
+as-is (masking_utils._preprocess_mask_arguments). SDPA takes a dense boolean mask (rows, 1, L, L),
+eager an additive float one, flex_attention a BlockMask built from the same rule (`mask_mod`),
+which skips the fully masked blocks and never materialises L x L. flash_attention_2/3 cannot take
+a custom mask, so `prepare_attention` switches a packed model to SDPA with a warning.
+Tested: SDPA end to end on CPU (fp32), and the BlockMask's rule and a flex_attention call against
+the dense mask on CPU. Untested here: everything on GPU (the same code; on GPU set
+model.attn_implementation=flex_attention for block-sparse attention, as SDPA with a dense mask
+computes the masked blocks and holds L x L booleans per packed row), and flex_attention inside the
+HF model (transformers compiles it).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PACKING_MODES = ("none", "remove_padding", "shared_prefix")
-_MASKED_ATTENTION = ("sdpa", "eager")
+_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+DENSE_ROW_TOKENS = 4096
 
 
 def packing_mode(model_config) -> str:
@@ -73,9 +79,43 @@ class Packed:
 
     input_ids: torch.Tensor  # (rows, L)
     position_ids: torch.Tensor  # (rows, L)
-    attention_mask: torch.Tensor  # (rows, 1, L, L) bool, True = may attend
+    segments: torch.Tensor  # (rows, L) segment of each token, -1 = padding
+    sees: torch.Tensor  # (rows, L) the prompt segment a token may also attend to
     hidden_index: torch.Tensor  # (valid response tokens,) into the flattened (rows * L) positions
     valid: torch.Tensor  # (batch, R) bool, the response tokens that exist (row-major order of hidden_index)
+
+    def mask_mod(self):
+        """The attention rule as a flex_attention mask_mod(b, h, q, kv) -> bool.
+
+        A token sees the earlier tokens of its own segment and of the prompt segment it may see;
+        padding sees itself only (no empty softmax row).
+        """
+        seg, sees = self.segments, self.sees
+
+        def mask_mod(b, h, q, kv):
+            k_seg = seg[b, kv]
+            visible = (seg[b, q] == k_seg) | (sees[b, q] == k_seg)
+            return (visible & (k_seg >= 0) & (kv <= q)) | (q == kv)
+
+        return mask_mod
+
+    def dense_mask(self) -> torch.Tensor:
+        """(rows, 1, L, L) bool, True = may attend: the rule of `mask_mod`, materialised."""
+        length = self.segments.shape[1]
+        pos = torch.arange(length, device=self.segments.device)
+        key_seg = self.segments[:, None, :]  # (rows, 1, L)
+        visible = (self.segments[:, :, None] == key_seg) | (self.sees[:, :, None] == key_seg)
+        causal = pos[None, :] <= pos[:, None]  # (L, L): key <= query
+        mask = (visible & (key_seg >= 0) & causal) | (pos[None, :] == pos[:, None])
+        return mask[:, None]
+
+    def block_mask(self):
+        """A flex_attention BlockMask of the same rule (block-sparse; nothing L x L is stored)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        rows, length = self.segments.shape
+        return create_block_mask(self.mask_mod(), B=rows, H=None, Q_LEN=length, KV_LEN=length,
+                                 device=self.segments.device)
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """(valid tokens,) results -> (batch, R), 0 at padding; differentiable."""
@@ -105,6 +145,22 @@ def unit_token_counts(attention_mask: torch.Tensor, response_length: int, units:
     return [int(prompt[u[0]] + sum(resp[i] for i in u)) for u in units]
 
 
+def _split_long_units(units: list[list[int]], prompt_lens: list[int], resp_lens: list[int],
+                      max_tokens: int) -> list[list[int]]:
+    """Cut groups longer than `max_tokens` packed tokens into runs of rows that fit (prompt repeated)."""
+    out = []
+    for unit in units:
+        run, size = [], prompt_lens[unit[0]]
+        for i in unit:
+            if run and size + resp_lens[i] > max_tokens:
+                out.append(run)
+                run, size = [], prompt_lens[unit[0]]
+            run.append(i)
+            size += resp_lens[i]
+        out.append(run)
+    return out
+
+
 def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
     bins: list[list[int]] = []
     room: list[int] = []
@@ -121,8 +177,11 @@ def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-         response_length: int, share_prefix: bool) -> Packed:
-    """Pack a (batch, P + R) micro-batch; see the module docstring for the layout."""
+         response_length: int, share_prefix: bool, max_unit_tokens: int | None = None) -> Packed:
+    """Pack a (batch, P + R) micro-batch; see the module docstring for the layout.
+
+    `max_unit_tokens` cuts longer groups into several units (None: groups stay whole).
+    """
     if position_ids.dim() != 2:
         raise ValueError("packed training supports (batch, seq) position_ids only; set use_remove_padding=False "
                          "and use_shared_prefix=False for models with multi-section (mrope) positions")
@@ -136,6 +195,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
         raise ValueError(f"row {int((prompt_lens == 0).nonzero()[0])} has an empty prompt; packed training needs "
                          f"at least one prompt token per row (turn use_remove_padding / use_shared_prefix off)")
     units = (prompt_groups(ids_c, am, pos_c, r) if share_prefix else [[i] for i in range(b)])
+    if share_prefix and max_unit_tokens is not None:
+        units = _split_long_units(units, prompt_lens.tolist(), am[:, p:].sum(-1).tolist(), max_unit_tokens)
     sizes = unit_token_counts(am.long(), r, units)
     bins = _first_fit_decreasing(sizes, max(sizes))
     length = max(sum(sizes[u] for u in bin_) for bin_ in bins)
@@ -171,18 +232,18 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
                 pred[0] = last_prompt
                 index[i, rcols] = pred
                 off += k
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    key_seg = seg[:, None, :]  # (rows, 1, L)
-    mask = ((seg[:, :, None] == key_seg) | (sees[:, :, None] == key_seg)) & (key_seg >= 0) & causal
-    mask |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax row
     valid = am[:, p:]
-    return Packed(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask[:, None].to(device),
-                  hidden_index=index[valid].to(device), valid=valid.to(device))
+    return Packed(input_ids=ids.to(device), position_ids=pos.to(device), segments=seg.to(device),
+                  sees=sees.to(device), hidden_index=index[valid].to(device), valid=valid.to(device))
 
 
-def model_mask(packed: Packed, model: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The 4-D mask in the form the model's attention takes: bool for SDPA, additive for eager."""
-    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
-        zeros = torch.zeros(packed.attention_mask.shape, dtype=dtype, device=packed.attention_mask.device)
-        return zeros.masked_fill(~packed.attention_mask, torch.finfo(dtype).min)
-    return packed.attention_mask
+def model_mask(packed: Packed, model: nn.Module, dtype: torch.dtype):
+    """The 4-D mask in the form the model's attention takes: BlockMask for flex_attention, additive
+    float for eager, bool for SDPA."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == "flex_attention":
+        return packed.block_mask()
+    mask = packed.dense_mask()
+    if impl == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
