@@ -10,17 +10,11 @@ batch balancing, on every rank's share.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
+from tests.test_e2e_train import torchrun
 from tinyzero.trainer.loggers import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
 pytestmark = pytest.mark.slow
 
 REWARD = '''
@@ -43,10 +37,7 @@ def test_remax_trains_with_a_greedy_baseline(tmp_path, tiny_model_dir):
             "--actor_rollout_ref.rollout.top_k=1", "--data.train_batch_size=8",
             "--actor_rollout_ref.actor.ppo_mini_batch_size=4", "--trainer.total_training_steps=2",
             "--trainer.val_before_train=false", "--trainer.export_hf=false", "--trainer.plot=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "train.py"), *args]
-    out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    torchrun(args)  # 2 ranks
     rows = [r for r in read_metrics(str(run)) if "critic/advantages/max" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -19,11 +19,9 @@ from collections import Counter
 
 import pytest
 
+from tests.test_e2e_train import ENV, ROOT
 from tinyzero.trainer.loggers import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
 BATCH, N = 8, 2
 pytestmark = pytest.mark.slow
 
