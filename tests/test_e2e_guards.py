@@ -2,9 +2,10 @@
 
 Faults are injected through a user reward function (`--reward.custom_fn`), written by the test:
 it scores the "a+b=" task exactly, and once the run's step-2 checkpoint is sealed it either returns
-NaN (the non-finite guard must stop the run at step 3 and leave checkpoint 2 usable) or kills
+NaN (scoring must stop the run at step 3 naming the sample and leave checkpoint 2 usable) or kills
 rank 0 once (torchrun restarts the job, which resumes from checkpoint 2 and must end with the
-metrics of a run that was never interrupted).
+metrics of a run that was never interrupted). An entropy coefficient of 1e38 makes the gradient norm
+non-finite at step 1: the non-finite guard stops the run, saying that no checkpoint exists yet.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
         return float("nan")
     if sealed and mode == "crash" and os.environ.get("RANK") == "0" and not os.path.exists(os.environ["CRASHED"]):
         open(os.environ["CRASHED"], "w").close()
+        os.kill(os.getppid(), 9)  # the rank (user functions run in its scoring worker processes)
         os._exit(1)
     return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
 '''
@@ -70,23 +72,39 @@ def _ok(out):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
 
 
-def test_nonfinite_loss_stops_with_checkpoint_intact_then_skip_mode_finishes(setup, tiny_model_dir):
+def test_nan_reward_stops_at_scoring_then_on_error_zero_finishes(setup, tiny_model_dir):
     out = launch(setup, "nan", fault="nan", model=tiny_model_dir)
     assert out.returncode != 0
-    assert "step 3: non-finite" in out.stderr and "The last checkpoint" in out.stderr, out.stderr[-4000:]
-    assert "Traceback" not in out.stderr.split("stopped:")[0][-2000:]
+    assert "not finite: nan" in out.stderr and "failed on sample 0 (data_source 'arithmetic'" in out.stderr, \
+        out.stderr[-4000:]
     ckpts = setup / "nan" / "checkpoints"
     assert (ckpts / "global_step_2" / "COMPLETE.json").exists()
     assert not any(p.name.startswith("global_step_3") or p.name.startswith("global_step_4")
                    for p in ckpts.iterdir() if (p / "COMPLETE.json").exists())
     assert [r["step"] for r in read_metrics(str(setup / "nan"))] == [1, 2]
-    # The same command with nonfinite=skip resumes from the intact checkpoint and drops the bad batches.
-    out = launch(setup, "nan", "--trainer.nonfinite=skip", fault="nan", model=tiny_model_dir)
+    # The same command with reward.on_error=zero resumes from the intact checkpoint, scoring NaN as 0.
+    out = launch(setup, "nan", "--reward.on_error=zero", "--trainer.allow_config_change=reward.on_error", fault="nan",
+                 model=tiny_model_dir)
     _ok(out)
     rows = read_metrics(str(setup / "nan"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["actor/num_skipped_steps"] == 0 for r in rows[:2])
-    assert all(r["actor/num_skipped_steps"] >= 1 for r in rows[2:])
+    assert [r["reward/num_errors"] for r in rows[2:]] == [64.0, 64.0]
+    assert "failed to score and score 0" in out.stderr
+
+
+def test_nonfinite_loss_stops_saying_no_checkpoint_exists_then_skip_mode_finishes(setup, tiny_model_dir):
+    blow_up = ["--actor_rollout_ref.actor.entropy_coeff=1e38"]  # the gradient norm overflows at step 1
+    out = launch(setup, "blowup", *blow_up, model=tiny_model_dir)
+    assert out.returncode != 0
+    assert "step 1: non-finite actor/grad_norm" in out.stderr, out.stderr[-4000:]
+    assert "No checkpoint has been saved in" in out.stderr and "is intact" not in out.stderr, out.stderr[-4000:]
+    assert "Traceback" not in out.stderr.split("stopped:")[0][-2000:]
+    assert not os.path.exists(setup / "blowup" / "metrics.jsonl") or read_metrics(str(setup / "blowup")) == []
+    out = launch(setup, "blowup", *blow_up, "--trainer.nonfinite=skip", model=tiny_model_dir)
+    _ok(out)
+    rows = read_metrics(str(setup / "blowup"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["actor/num_skipped_steps"] >= 1 for r in rows)
     assert "skipping the batch" in out.stdout
 
 

@@ -24,7 +24,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_S = 3.0
-pytestmark = pytest.mark.slow
 
 
 def _install_fault(mode: str) -> None:
@@ -101,6 +100,7 @@ def _silent_s(verdict: str) -> float:
     return float(re.search(r"(?:no progress for|no heartbeat for) ([0-9.]+) s", verdict).group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,phase", [("sigstop", "update_actor"), ("update", "update_actor"),
                                         ("generate", "generate")])
 def test_stuck_rank_is_named_within_the_bound(demo_data, tiny_model_dir, mode, phase):
@@ -124,6 +124,36 @@ def test_stuck_rank_is_named_within_the_bound(demo_data, tiny_model_dir, mode, p
     assert HANG_S <= _silent_s(verdict) <= HANG_S + 2.0, verdict
     fault_at = float(re.search(r"\[test\] fault at ([0-9.]+)", out).group(1))
     assert ended_at - fault_at < HANG_S + 30, f"the job ended {ended_at - fault_at:.1f} s after the fault"
+
+
+def _status(beat: int, age: float, still: float, waiting: bool, phase: str = "update_actor") -> dict:
+    return {"beat": beat, "age": age, "still": still, "phase": phase, "detail": "", "step": 3, "recent": [],
+            "where": "x.py:1 in f", "waiting": waiting, "host": "h", "pid": 1, "done": False}
+
+
+def test_the_rule_names_the_stuck_rank_not_its_waiting_or_busy_peers():
+    from tinyzero.progress import _Watchdog
+
+    wd = _Watchdog(bound_s=10.0, poll_s=1.0, store=None, rank=0, world=3)
+    # Rank 2 has reported nothing for 12 s but its main thread runs Python code (busy), rank 1 is
+    # within the bound, rank 0 waits in a collective: nobody is stuck.
+    busy = {0: _status(1, 12, 12, True), 1: _status(1, 4, 4, False), 2: _status(1, 12, 0.5, False)}
+    assert wd.decide(busy, now=0.0) is None
+    # Rank 1 sits still past the bound outside a collective: it alone is named.
+    stuck = {0: _status(2, 12, 12, True), 1: _status(2, 11, 11, False), 2: _status(2, 12, 12, True)}
+    verdict = wd.decide(stuck, now=1.0)
+    assert "on rank(s) 1\n" in verdict and "rank 1 made no progress for 11.0 s" in verdict, verdict
+    # Every rank waits in a collective: the one that stopped progressing first is named.
+    deadlock = {0: _status(3, 12, 12, True), 1: _status(3, 15, 15, True), 2: _status(3, 11, 11, True)}
+    assert "on rank(s) 1\n" in wd.decide(deadlock, now=2.0)
+    # Start-up is not watched for progress (model loading reports nothing).
+    startup = {r: _status(4, 50, 50, False, phase="startup") for r in range(3)}
+    assert wd.decide(startup, now=3.0) is None
+    # Rank 2's heartbeat stops changing: frozen once the bound passes on this rank's clock.
+    frozen = {0: _status(5, 1, 1, False), 1: _status(5, 1, 1, False), 2: _status(4, 50, 50, False, "startup")}
+    assert wd.decide(frozen, now=8.0) is None
+    verdict = wd.decide({**frozen, 0: _status(6, 1, 1, False), 1: _status(6, 1, 1, False)}, now=14.0)
+    assert "on rank(s) 2\n" in verdict and "rank 2 stopped responding: no heartbeat for 11.0 s" in verdict, verdict
 
 
 if __name__ == "__main__":

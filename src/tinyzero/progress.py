@@ -14,8 +14,10 @@ the controller's own waits). From every heartbeat each rank applies the same rul
 
 - a rank whose heartbeat stops changing for hang_timeout_s is frozen (SIGSTOP, a debugger, a
   native call holding the GIL, a lost host);
-- a rank with no progress for hang_timeout_s that is not inside a collective is stuck (the peers
-  that wait for it in a collective are not blamed);
+- a rank with no progress for hang_timeout_s, whose main thread stayed at the same place (its
+  innermost frames did not move: a wait, a sleep, a native call) and not inside a collective, is
+  stuck (the peers that wait for it in a collective are not blamed; a thread still running Python
+  code, such as a generation engine's loop that reports nothing, is busy, not stuck);
 - when every rank waits in a collective with no progress (one that some rank never joined), the
   rank that stopped progressing first is named.
 
@@ -84,15 +86,20 @@ def _describe(phase: str, detail: str) -> str:
     return f"{phase} ({detail})" if detail else phase
 
 
-def _main_thread_at() -> tuple[str, bool]:
-    """(file:line in function of the main thread's innermost Python frame, whether it waits for peers)."""
+def _main_thread_at() -> tuple[str, bool, tuple]:
+    """The main thread's innermost Python frame as "file:line in function", whether it waits for
+    peers, and a signature of its innermost frames (it changes while the thread runs Python code)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
-        return "unknown", False
+        return "unknown", False, ()
     filename = frame.f_code.co_filename
     waiting = any(marker in filename for marker in _WAIT_MARKERS)
     short = os.sep.join(filename.split(os.sep)[-3:])
-    return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}", waiting
+    signature, f = [], frame
+    while f is not None and len(signature) < 4:
+        signature.append((id(f), f.f_lasti))
+        f = f.f_back
+    return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}", waiting, tuple(signature)
 
 
 class _Watchdog:
@@ -103,15 +110,20 @@ class _Watchdog:
         self.store, self.rank, self.world = store, rank, world
         self.beat = 0
         self.seen: dict[int, tuple[object, float]] = {}  # rank -> (its beat, when it last changed here)
+        self.signature: tuple = ()  # the main thread's innermost frames at the last heartbeat
+        self.moved_at = time.monotonic()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tinyzero-hang-watchdog", daemon=True)
 
     # ------------------------------------------------------------------ heartbeats
     def status(self, done: bool = False) -> dict:
         last, now = _last, time.monotonic()
-        where, waiting = _main_thread_at()
-        return {"beat": self.beat, "age": now - last.at, "phase": last.phase, "detail": ", ".join(f"{k}={v}" for k, v in last.detail.items()),
-                "step": _step, "recent": list(_recent), "where": where, "waiting": waiting,
+        where, waiting, signature = _main_thread_at()
+        if signature != self.signature:
+            self.signature, self.moved_at = signature, now
+        detail = ", ".join(f"{k}={v}" for k, v in last.detail.items())
+        return {"beat": self.beat, "age": now - last.at, "still": now - self.moved_at, "phase": last.phase,
+                "detail": detail, "step": _step, "recent": list(_recent), "where": where, "waiting": waiting,
                 "host": socket.gethostname(), "pid": os.getpid(), "done": done}
 
     def publish(self, status: dict) -> None:
@@ -147,7 +159,10 @@ class _Watchdog:
             elif st is not None:
                 live[r] = st
         # Start-up (model loading, engine start) reports nothing: it is bounded by the collective timeout.
-        stale = {r: st for r, st in live.items() if st["age"] > self.bound_s and st["phase"] != _STARTUP}
+        # A main thread still running Python code (a generation engine's loop that reports nothing) is
+        # busy, not stuck: only one whose innermost frames did not move is.
+        stale = {r: st for r, st in live.items()
+                 if min(st["age"], st["still"]) > self.bound_s and st["phase"] != _STARTUP}
         stuck = [r for r, st in stale.items() if not st["waiting"]]
         if not frozen and not stuck:
             if not live or len(stale) < len(live):
@@ -170,7 +185,8 @@ class _Watchdog:
         for r in stuck:
             st = live[r]
             why = ("every rank waits in a collective that one of them never joined; this rank stopped progressing "
-                   "first" if every_waits else "it is not waiting for other ranks")
+                   "first" if every_waits else f"its main thread has not moved for {st['still']:.1f} s and it is "
+                   "not waiting for other ranks")
             lines.append(f"rank {r} made no progress for {st['age']:.1f} s ({why}); {_last_seen(st)}")
         named = set(frozen) | set(stuck)
         others = [f"rank {r}: {'waits in a collective' if st['waiting'] else 'busy'} at {st['where']}, last "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = ["RewardConfig"]
 
 _GSM8K_METHODS = ("strict", "flexible")
+_ON_ERROR = ("raise", "zero")
 
 
 @dataclass
@@ -17,15 +19,28 @@ class RewardConfig:
     built-in scorers for every data_source. None uses the built-in registry."""
 
     num_workers: int = 2
-    """Processes used to score large batches in parallel; 0 always scores in-process."""
+    """Scoring processes per rank. A custom_fn always runs in them (at least 1), where a stuck
+    function can be killed; built-in scorers use them only for batches of parallel_min_batch or
+    more (0: built-in scorers always in-process)."""
 
     parallel_min_batch: int = 2048
-    """Batches with fewer samples than this are scored in-process (a pool only pays on big batches)."""
+    """Built-in scorers: batches (per rank) with fewer samples than this are scored in-process. They
+    are trusted code, bounded by the per-sample alarm, and in-process is faster for small batches."""
 
     timeout_s: float = 10.0
-    """Per-sample time limit; a scorer that runs longer (or raises) gives 0 and is counted in
-    reward/num_timeouts (reward/num_errors). 0 disables the limit. Enforced with SIGALRM, so only
-    when scoring runs in a main thread (the trainer's, or a pool worker's)."""
+    """Per-sample time limit; a scorer that runs longer scores 0 and is counted in reward/num_timeouts
+    (the first one is printed, naming the function and the sample). 0 disables the limit. A custom_fn
+    that ignores the alarm is killed timeout_s + 2 s after its sample started."""
+
+    batch_timeout_s: float = 600.0
+    """Per-batch time budget of a custom_fn (every rank's share of the batch). Past it the scoring
+    gives up: with on_error="raise" the run stops naming the function, the samples in flight and the
+    limit; with "zero" the unscored samples score 0 (counted in reward/num_timeouts). 0: no budget."""
+
+    on_error: Literal["raise", "zero"] = "raise"
+    """A scorer that raises, or returns None, a string, a dict without "score", or a NaN/inf score:
+    "raise" stops the run at the first such sample with its traceback and the sample; "zero" scores
+    it 0, counts it in reward/num_errors and prints the first traceback once."""
 
     skip_special_tokens: bool = True
     """Drop special tokens (eos, pad, chat markers) when decoding responses for scoring."""
@@ -47,6 +62,10 @@ class RewardConfig:
             raise ValueError(f"reward.parallel_min_batch must be >= 1, got {self.parallel_min_batch}")
         if self.timeout_s < 0:
             raise ValueError(f"reward.timeout_s must be >= 0 (0 disables the limit), got {self.timeout_s}")
+        if self.batch_timeout_s < 0:
+            raise ValueError(f"reward.batch_timeout_s must be >= 0 (0 disables the budget), got {self.batch_timeout_s}")
+        if self.on_error not in _ON_ERROR:
+            raise ValueError(f"reward.on_error must be one of {_ON_ERROR}, got {self.on_error!r}")
         if self.gsm8k_method not in _GSM8K_METHODS:
             raise ValueError(f"reward.gsm8k_method must be one of {_GSM8K_METHODS}, got {self.gsm8k_method!r}")
         if self.num_examine < 0:

@@ -11,22 +11,42 @@ over prompt + response), and non-tensors `data_source`, `reward_model` (a dict w
 "ground_truth") and optionally `extra_info`. Only the valid response tokens are decoded
 (TinyZero decoded prompt + response and cut at the assistant marker; the result is the same
 text). A sample with an empty response is scored but its score has no token to sit on.
+
+Every sample is scored once: under torch.distributed each rank scores samples rank, rank +
+world, ... and the results are all-gathered, with a digest of every rank's batch, so all ranks
+train on the same rewards and a rank holding a different batch stops the run, named. Call it on
+every rank (the trainers do). A user function (reward.custom_fn) runs in killable worker
+processes under reward.timeout_s per sample and reward.batch_timeout_s per batch; built-in
+scorers are trusted and run in-process (a pool only for large batches). A scorer that raises,
+returns no valid finite score, or runs out of the batch budget stops the run with the sample and
+the traceback (reward.on_error="raise", the default), or scores 0 and is counted ("zero").
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from tinyzero.progress import report_progress
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
 from tinyzero.rewards.scoring import ScoringPool, score_tasks
 
-__all__ = ["RewardManager", "RewardOutput"]
+__all__ = ["RewardError", "RewardManager", "RewardOutput"]
+
+PROGRESS_EVERY_S = 30.0
+"""A scoring batch that runs longer than this prints a progress line this often (rank 0)."""
+
+
+class RewardError(ValueError):
+    """A reward could not be computed (reward.on_error="raise"), or the ranks hold different batches."""
 
 
 @dataclass
@@ -42,6 +62,39 @@ class RewardOutput:
     samples: list[dict] = field(default_factory=list)
     """Per sample: data_source, prompt (when `prompts` is in the batch), response, ground_truth,
     score, acc, formatted, error, timeout -- for samples.jsonl."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _digest(tasks: list) -> str:
+    h = hashlib.sha256()
+    for task in tasks:
+        h.update(repr(task).encode("utf-8", "replace"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _check_same_batch(digests: list[str]) -> None:
+    """Raise naming the ranks whose batch differs from the most common one."""
+    common, _ = Counter(digests).most_common(1)[0]
+    odd = [r for r, d in enumerate(digests) if d != common]
+    if odd:
+        raise RewardError(f"rank(s) {odd} hold a different batch to score than the other ranks (SPMD divergence: "
+                          "every rank must run the same program on the same data; TINYZERO_CHECK_SPMD=1 finds "
+                          "the first divergent call)")
+
+
+def _sample_text(i: int, task: tuple, world: int) -> str:
+    data_source, response, ground_truth, _ = task
+    where = f", scored on rank {i % world}" if world > 1 else ""
+    return (f"sample {i} (data_source {data_source!r}{where}; response {response[:200]!r}; ground_truth "
+            f"{ground_truth!r:.200})")
 
 
 def _response_lengths(data) -> torch.Tensor:
@@ -65,19 +118,97 @@ class RewardManager:
         if self.config.custom_fn:
             load_custom_fn(self.config.custom_fn)  # fail at start-up on a bad path / name
         self._pool: ScoringPool | None = None
+        self._printed: set[str] = set()  # warnings already printed (each kind once per manager)
 
     def check_data_sources(self, data_sources) -> None:
         """Raise ValueError now if any data_source has no scorer (call before training)."""
         check_data_sources(data_sources, self.config.custom_fn)
 
     # ------------------------------------------------------------------ scoring
+    def _scorer_name(self, data_source: str) -> str:
+        if self.config.custom_fn:
+            return f"reward.custom_fn {self.config.custom_fn}"
+        return f"the built-in scorer of data_source {data_source!r}"
+
     def _score(self, tasks: list) -> tuple[list[dict], bool]:
         cfg = self.config
-        if cfg.num_workers > 0 and len(tasks) >= cfg.parallel_min_batch:
-            if self._pool is None:
-                self._pool = ScoringPool(cfg.num_workers, cfg.custom_fn, cfg.scorer_options(), cfg.timeout_s)
-            return self._pool.score(tasks), True
-        return score_tasks(tasks, cfg.custom_fn, cfg.scorer_options(), cfg.timeout_s), False
+        pooled = bool(cfg.custom_fn) or (cfg.num_workers > 0 and len(tasks) >= cfg.parallel_min_batch)
+        if not pooled:
+            results = score_tasks(tasks, None, cfg.scorer_options(), cfg.timeout_s)
+            report_progress("reward", scored=len(tasks), of=len(tasks))
+            return results, False
+        if self._pool is None:
+            self._pool = ScoringPool(max(1, cfg.num_workers), cfg.custom_fn, cfg.scorer_options(), cfg.timeout_s,
+                                     batch_timeout_s=cfg.batch_timeout_s if cfg.custom_fn else 0.0)
+        start, last_line = time.monotonic(), [time.monotonic()]
+        name = self._scorer_name(tasks[0][0]) if tasks else ""
+
+        def on_progress(done: int, total: int) -> None:
+            report_progress("reward", scored=done, of=total)
+            now = time.monotonic()
+            if now - last_line[0] >= PROGRESS_EVERY_S and _rank() == 0:
+                last_line[0] = now
+                print(f"[reward] {done}/{total} samples scored by {name} in {now - start:.0f} s "
+                      f"(reward.batch_timeout_s={cfg.batch_timeout_s:g})", flush=True)
+
+        # A user function (1 sample per message) is charged per sample; built-ins go in chunks.
+        return self._pool.score(tasks, chunk_size=1 if cfg.custom_fn else None, on_progress=on_progress), True
+
+    def _score_sharded(self, tasks: list) -> tuple[list[dict], bool]:
+        """Every sample scored once across the ranks; every rank gets every result."""
+        rank, world = _rank(), _world()
+        local, parallel = self._score(tasks[rank::world])
+        # Only the first traceback of a shard travels (the others are dropped: one is printed).
+        seen = False
+        for r in local:
+            if "traceback" in r:
+                if seen:
+                    del r["traceback"]
+                seen = True
+        if world == 1:
+            return local, parallel
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (_digest(tasks), local))
+        _check_same_batch([g[0] for g in gathered])
+        results: list[dict] = [{}] * len(tasks)
+        for r, (_, shard) in enumerate(gathered):
+            results[r::world] = shard
+        return results, parallel
+
+    def _check_results(self, tasks: list, results: list[dict]) -> None:
+        """Apply reward.on_error to the gathered results (the same decision on every rank)."""
+        cfg, world = self.config, _world()
+        gave_up = [i for i, r in enumerate(results) if r.get("gave_up")]
+        if gave_up:
+            in_flight = [i for i in gave_up if results[i]["gave_up"] == "in flight"]
+            msg = (f"{self._scorer_name(tasks[gave_up[0]][0])} did not finish the batch within reward.batch_timeout_s="
+                   f"{cfg.batch_timeout_s:g} s: {len(gave_up)} of {len(tasks)} samples unscored; in flight: "
+                   + "; ".join(_sample_text(i, tasks[i], world) for i in in_flight[:3])
+                   + ". Make the function faster, raise reward.batch_timeout_s or reward.num_workers")
+            if cfg.on_error == "raise":
+                raise RewardError(msg + ', or set reward.on_error=zero to score them 0')
+            self._print_once("gave_up", f"[reward] warning: {msg}; they score 0 (reward.on_error=zero, counted in "
+                                        "reward/num_timeouts)")
+        errors = [i for i, r in enumerate(results) if r["error"] is not None]
+        if errors:
+            i = errors[0]
+            msg = (f"{self._scorer_name(tasks[i][0])} failed on {_sample_text(i, tasks[i], world)}: "
+                   f"{results[i]['error']}\n{results[i].get('traceback', '').rstrip()}")
+            if cfg.on_error == "raise":
+                raise RewardError(msg + "\n(set --reward.on_error zero to score such samples 0 and go on)")
+            self._print_once("error", f"[reward] warning: {len(errors)} sample(s) failed to score and score 0 "
+                                      f"(reward.on_error=zero, counted in reward/num_errors); the first:\n{msg}")
+        timeouts = [i for i, r in enumerate(results) if r["timeout"] and not r.get("gave_up")]
+        if timeouts:
+            i = timeouts[0]
+            self._print_once("timeout", f"[reward] warning: {self._scorer_name(tasks[i][0])} ran past reward.timeout_s="
+                                        f"{cfg.timeout_s:g} s on {_sample_text(i, tasks[i], world)}; such samples "
+                                        "score 0 (counted in reward/num_timeouts; printed once)")
+
+    def _print_once(self, kind: str, message: str) -> None:
+        if kind not in self._printed and _rank() == 0:
+            self._printed.add(kind)
+            print(message, file=sys.stderr, flush=True)
 
     def __call__(self, data) -> RewardOutput:
         start = time.perf_counter()
@@ -102,7 +233,9 @@ class RewardManager:
                 raise ValueError(f"row {i}: reward_model must be a dict with 'ground_truth', got {rm!r}"[:300])
             tasks.append((str(nt["data_source"][i]), texts[i], rm["ground_truth"],
                           extra[i] if extra is not None else None))
-        results, parallel = self._score(tasks)
+        results, parallel = self._score_sharded(tasks)
+        self._check_results(tasks, results)
+        results = [{k: v for k, v in r.items() if k not in ("traceback", "gave_up")} for r in results]
 
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
         token_level_scores = torch.zeros(batch_size, response_len, dtype=torch.float32)

@@ -15,6 +15,7 @@ every data_source.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -112,21 +113,34 @@ def _lookup_or_none(data_source: str):
         return None
 
 
-def normalize_result(result) -> dict:
-    """A scorer's float / bool / dict result as {"score": float, "acc": bool, "formatted": bool}.
+def _finite_score(value, what: str) -> float:
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r:.100}")
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r:.100}") from None
+    if not math.isfinite(score):
+        raise ValueError(f"{what} is not finite: {score}")
+    return score
 
-    For a bare number, acc is score >= 1.0 and formatted is score > 0.
+
+def normalize_result(result) -> dict:
+    """A scorer's number / bool / dict result as {"score": float, "acc": bool, "formatted": bool}.
+
+    For a bare number, acc is score >= 1.0 and formatted is score > 0. None, a string, a dict
+    without "score", or a NaN / infinite score raise (TypeError / ValueError).
     """
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"a scorer returned a dict without a 'score' key: {sorted(result)}")
-        score = float(result["score"])
+            raise ValueError(f"the scorer returned a dict without a 'score' key: {sorted(result)}")
+        score = _finite_score(result["score"], "the scorer's result['score']")
         return {
             "score": score,
             "acc": bool(result.get("acc", score >= 1.0)),
             "formatted": bool(result.get("formatted", score > 0)),
         }
-    score = float(result)
+    score = _finite_score(result, "the scorer's result")
     return {"score": score, "acc": score >= 1.0, "formatted": score > 0}
 
 

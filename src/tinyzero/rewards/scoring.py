@@ -1,16 +1,18 @@
-"""Scoring many samples: per-sample time limit, error capture, and an optional process pool.
+"""Scoring many samples: per-sample time limit, error capture, and a pool of killable processes.
 
 A task is (data_source, solution_str, ground_truth, extra_info). Every task yields a dict
-{"score", "acc", "formatted", "error", "timeout"}; a scorer that raises or runs past the time
-limit yields score 0 with `error` (the exception text) or `timeout` set, and the batch goes on.
+{"score", "acc", "formatted", "error", "timeout"}; a scorer that raises, returns something that
+is not a finite score, or runs past the time limit yields score 0 with `error` (the exception
+text; the formatted traceback under "traceback") or `timeout` set, and the batch goes on. What a
+failure then means (stop the run, or count it) is RewardManager's decision (reward.on_error).
 
 The time limit uses SIGALRM in the main thread of the scoring process (the trainer's main
 thread, or a pool worker's). Its exception derives from BaseException so a scorer's own
-`except Exception` cannot swallow it. Pool workers are plain subprocesses running
+`except Exception` cannot swallow it; a bare `except:` can, which is why user functions run in
+pool workers: ScoringPool kills a worker still busy past the limit (plus a grace), and stops a
+batch at its budget. Pool workers are plain subprocesses running
 `python -m tinyzero.rewards.scoring_worker` (started once, reused), fed over pipes; unlike a
-multiprocessing pool they never re-import the trainer's main script. Each worker's chunk also
-has a deadline: a worker stuck in C code past it is killed, its samples count as timeouts,
-and the next call starts a fresh worker.
+multiprocessing pool they never re-import the trainer's main script.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import traceback
+from collections import deque
 from contextlib import contextmanager
 
 from tinyzero.rewards.registry import get_scorer, load_custom_fn, normalize_result
@@ -81,8 +84,8 @@ def _score_one(task, custom_fn: str | None, options: dict, timeout_s: float, ala
         out = normalize_result(raw)
     except ScoreTimeout:
         return _failed(timeout=True)
-    except Exception as e:  # noqa: BLE001 - a broken scorer must not stop training
-        return _failed(error=f"{type(e).__name__}: {e}"[:500])
+    except Exception as e:  # noqa: BLE001 - reported to RewardManager, which applies reward.on_error
+        return {**_failed(error=f"{type(e).__name__}: {e}"[:500]), "traceback": traceback.format_exc()[-4000:]}
     out["error"] = None
     out["timeout"] = False
     return out
@@ -120,17 +123,37 @@ def read_message(stream):
 
 
 class _Worker:
-    def __init__(self, settings: tuple):
+    """One scoring subprocess; answers one task list at a time (so a select() on its pipe is exact)."""
+
+    def __init__(self, settings: tuple, ready_timeout_s: float):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")
         self.proc = subprocess.Popen([sys.executable, "-m", "tinyzero.rewards.scoring_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         write_message(self.proc.stdin, settings)
+        # The worker answers once it has imported the scorers (and the user function): start-up is not
+        # charged to the first sample's time limit.
+        if not select.select([self.proc.stdout], [], [], ready_timeout_s)[0]:
+            self.kill()
+            raise TimeoutError(f"a reward scoring worker did not start within {ready_timeout_s:.0f} s")
+        error = read_message(self.proc.stdout)
+        if error is not None:
+            self.kill()
+            raise ValueError(f"a reward scoring worker could not load its scorer: {error}")
+        self.busy: tuple[int, int, float] | None = None  # (first task, end, when it was sent)
+
+    def send(self, tasks: list, first: int) -> None:
+        write_message(self.proc.stdin, tasks)
+        self.busy = (first, first + len(tasks), time.monotonic())
+
+    def receive(self) -> list[dict]:
+        self.busy = None
+        return read_message(self.proc.stdout)
 
     def run(self, tasks: list) -> list[dict]:
-        write_message(self.proc.stdin, tasks)
-        return read_message(self.proc.stdout)
+        self.send(tasks, 0)
+        return self.receive()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -147,57 +170,104 @@ class _Worker:
 
 
 class ScoringPool:
-    """Reusable scoring subprocesses; each call splits the tasks into one chunk per worker."""
+    """Scoring subprocesses that can be killed: per-sample limits that hold, and a per-batch budget.
+
+    Tasks go out in chunks (`chunk_size`; 1 for user functions, so a failure names its sample),
+    one chunk per worker at a time. A worker busy on a chunk past len(chunk) x timeout_s +
+    `kill_grace_s` (its function ignored or caught the per-sample alarm) is killed: the chunk's
+    samples are timeouts and a fresh worker takes the next chunk. A worker that dies gives its
+    chunk an error. Once the batch has run `batch_timeout_s` (0: no budget), busy workers are killed
+    and the unscored samples come back with timeout set and `gave_up` saying "in flight" or "not
+    started". `on_progress(done, total)` is called as chunks complete.
+    """
 
     def __init__(self, num_workers: int, custom_fn: str | None = None, options: dict | None = None,
-                 timeout_s: float = 0.0, slack_s: float = 60.0):
+                 timeout_s: float = 0.0, slack_s: float = 60.0, batch_timeout_s: float = 0.0,
+                 kill_grace_s: float = 2.0):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
         self.num_workers = num_workers
         self.settings = (custom_fn, dict(options or {}), timeout_s)
         self.timeout_s = timeout_s
         self.slack_s = slack_s
+        self.batch_timeout_s = batch_timeout_s
+        self.kill_grace_s = kill_grace_s
         self._workers: list[_Worker | None] = [None] * num_workers
-        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="reward-score")
 
     def _worker(self, i: int) -> _Worker:
         w = self._workers[i]
         if w is None or not w.alive():
             if w is not None:
                 w.kill()
-            w = self._workers[i] = _Worker(self.settings)
+            w = self._workers[i] = _Worker(self.settings, self.slack_s)
         return w
 
-    def score(self, tasks: list) -> list[dict]:
-        """Score tasks across the workers; order is preserved."""
-        if not tasks:
+    def _drop(self, i: int) -> None:
+        w, self._workers[i] = self._workers[i], None
+        if w is not None:
+            w.kill()
+
+    def score(self, tasks: list, chunk_size: int | None = None, on_progress=None) -> list[dict]:
+        """Score tasks across the workers; order is preserved (see the class docstring)."""
+        n = len(tasks)
+        if not n:
             return []
-        size = math.ceil(len(tasks) / self.num_workers)
-        chunks = [tasks[i:i + size] for i in range(0, len(tasks), size)]
-        workers = [self._worker(i) for i in range(len(chunks))]
-        futures = [self._threads.submit(w.run, c) for w, c in zip(workers, chunks)]
-        # Every sample may use its full limit, plus slack for start-up and transfer.
-        deadline = time.monotonic() + (self.timeout_s * size + self.slack_s if self.timeout_s > 0 else 3600.0)
-        results: list[dict] = []
-        for i, (chunk, future) in enumerate(zip(chunks, futures)):
-            try:
-                results.extend(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
-            except (FutureTimeout, EOFError, OSError, pickle.UnpicklingError):
-                workers[i].kill()  # also unblocks the thread waiting on its pipe
-                self._workers[i] = None
-                results.extend(_failed(timeout=True) for _ in chunk)
+        size = chunk_size or max(1, min(256, math.ceil(n / (4 * self.num_workers))))
+        pending = deque(range(0, n, size))
+        results: list[dict | None] = [None] * n
+        done = 0
+        for i in range(min(self.num_workers, len(pending))):
+            self._worker(i)  # start-up (imports, the user module) is not charged to the batch
+        budget_end = time.monotonic() + self.batch_timeout_s if self.batch_timeout_s > 0 else math.inf
+        while pending or any(w is not None and w.busy for w in self._workers):
+            for i in range(self.num_workers):
+                if pending and (self._workers[i] is None or not self._workers[i].busy):
+                    first = pending.popleft()
+                    self._worker(i).send(tasks[first:first + size], first)
+            busy = {w.proc.stdout: i for i, w in enumerate(self._workers) if w is not None and w.busy}
+            ready = select.select(list(busy), [], [], 0.05)[0]
+            for stream in ready:
+                i = busy[stream]
+                first, end, _ = self._workers[i].busy
+                try:
+                    results[first:end] = self._workers[i].receive()
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    code = self._workers[i].proc.poll()
+                    self._drop(i)
+                    results[first:end] = [_failed(error=f"the scoring worker died (exit code {code}) while "
+                                                        "scoring this sample") for _ in range(end - first)]
+                done += end - first
+                if on_progress is not None:
+                    on_progress(done, n)
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w is None or not w.busy:
+                    continue
+                first, end, sent = w.busy
+                if self.timeout_s > 0 and now - sent > (end - first) * self.timeout_s + self.kill_grace_s:
+                    self._drop(i)  # the function outlived its alarm: only killing it stops it
+                    results[first:end] = [_failed(timeout=True) for _ in range(end - first)]
+                    done += end - first
+            if now > budget_end:
+                for i, w in enumerate(self._workers):
+                    if w is not None and w.busy:
+                        first, end, _ = w.busy
+                        self._drop(i)
+                        results[first:end] = [{**_failed(timeout=True), "gave_up": "in flight"}
+                                              for _ in range(end - first)]
+                for first in pending:
+                    results[first:first + size] = [{**_failed(timeout=True), "gave_up": "not started"}
+                                                   for _ in range(min(size, n - first))]
+                break
         return results
 
     def close(self) -> None:
         """Stop the worker processes (a later `score` starts new ones)."""
-        for i, w in enumerate(self._workers):
-            if w is not None:
-                w.kill()
-                self._workers[i] = None
+        for i in range(self.num_workers):
+            self._drop(i)
 
     def __del__(self):
         try:
             self.close()
-            self._threads.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

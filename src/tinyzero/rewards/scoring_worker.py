@@ -1,7 +1,8 @@
 """A scoring worker process: `python -m tinyzero.rewards.scoring_worker`, started by ScoringPool.
 
-Reads (custom_fn, options, timeout_s) once from stdin, then task lists, and answers each with
-the list of score dicts on stdout (length-prefixed pickles; the parent is its only peer).
+Reads (custom_fn, options, timeout_s) once from stdin and answers None once its scorer is loaded
+(or the error text), then reads task lists and answers each with the list of score dicts on stdout
+(length-prefixed pickles; the parent is its only peer).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from tinyzero.rewards.registry import load_custom_fn
 from tinyzero.rewards.scoring import read_message, score_tasks, write_message
 
 
@@ -17,6 +19,13 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # prints from scorers must not corrupt the result pipe
     custom_fn, options, timeout_s = read_message(stdin)
+    try:
+        if custom_fn:
+            load_custom_fn(custom_fn)
+        write_message(stdout, None)  # ready
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        write_message(stdout, f"{type(e).__name__}: {e}")
+        return
     while True:
         try:
             tasks = read_message(stdin)

@@ -29,6 +29,7 @@ from tinyzero.trainer.checkpoint import (
     load_trainer_state,
     save_rng_state,
     save_trainer_state,
+    verify_checkpoint,
 )
 from tinyzero.trainer.metrics import (
     compute_data_metrics,
@@ -288,10 +289,17 @@ class PPOTrainer:
             return
         msg = (f"step {self.global_step}: non-finite {', '.join(bad)}; the optimizer step was not applied")
         if self.config.trainer.nonfinite == "stop":
-            raise NonFiniteError(msg + ". The last checkpoint in "
-                                 f"{self.ckpt.root} is intact; lower the learning rate, check the data, "
-                                 "or set --trainer.nonfinite skip to drop such batches")
+            raise NonFiniteError(f"{msg}. {self._checkpoint_situation()}; lower the learning rate, check the "
+                                 "data, or set --trainer.nonfinite skip to drop such batches")
         self.tracker.print(f"[tinyzero] warning: {msg}; skipping the batch (trainer.nonfinite=skip)")
+
+    def _checkpoint_situation(self) -> str:
+        """Which sealed checkpoint a restart would resume from (none yet is said plainly)."""
+        for step, path in self.ckpt.checkpoints():
+            if verify_checkpoint(path, checksum=False) is None:
+                return f"The last checkpoint, step {step} in {path}, is intact: a restart resumes from it"
+        return (f"No checkpoint has been saved in {self.ckpt.root} (trainer.save_freq="
+                f"{self.config.trainer.save_freq}): a restart begins from step 0")
 
     # ------------------------------------------------------------------ validation, metrics, samples
     def maybe_validate(self) -> dict[str, float]:
