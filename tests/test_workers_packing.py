@@ -54,6 +54,7 @@ def grouped_batch(prompts: int = PROMPTS, n: int = N, seed: int = 0) -> dict:
         "noise_old": torch.randn(rows, r, generator=g) * 0.3,
         "noise_ref": torch.randn(rows, r, generator=g) * 0.2,
         "noise_values": torch.randn(rows, r, generator=g) * 0.5,
+        "noise_rollout": torch.randn(rows, r, generator=g) * 0.1,
     }
 
 
@@ -260,9 +261,11 @@ def packing_rank_fn(model_dir: str, variants: list[dict]):
         source = v.get("source", "noisy")
         if source == "noisy":
             local.batch["old_log_probs"] = out.batch["old_log_probs"] + raw["noise_old"][rows]
-        elif source == "actor":
+        else:  # the sampler's log-probs, a little off the trainer's
+            local.batch["rollout_log_probs"] = out.batch["old_log_probs"] + raw["noise_rollout"][rows]
+        if source == "actor":
             local.batch["old_log_probs"] = out.batch["old_log_probs"]
-        else:
+        elif source == "update":
             local.meta_info["old_log_probs_source"] = "update"
         before = _full_params(actor.actor.model)
         metrics = actor.update_actor(local).meta_info["metrics"]
@@ -331,14 +334,27 @@ def test_packed_update_matches_unpacked_and_float64(two_rank_runs, tiny_model_di
             _assert_params_close(res["critic_params"], base["critic_params"], atol=1e-5)
 
 
-def test_on_policy_update_without_old_log_prob_pass_matches(two_rank_runs):
+def test_on_policy_update_without_old_log_prob_pass_matches(two_rank_runs, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.algorithms import rollout_mismatch_metrics
+
+    raw = grouped_batch()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    with torch.no_grad():
+        lp = hf_response_log_probs(model, raw)
+    # The pass that measures the sampler/trainer gap does not run: the update measures it instead.
+    expected = rollout_mismatch_metrics(lp, lp + raw["noise_rollout"], raw["response_mask"])
     by_source = [r for r in two_rank_runs if "source" in r["variant"]]
     with_pass, *skipped = by_source
+    assert not any(k.startswith("training/rollout") for k in with_pass["metrics"])
     for res in skipped:
         _assert_params_close(res["params"], with_pass["params"], atol=1e-6)
         assert res["metrics"]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)  # the ratio is exactly 1
         assert res["metrics"]["actor/pg_clipfrac"] == 0.0
         assert res["metrics"]["actor/entropy"] == pytest.approx(with_pass["metrics"]["actor/entropy"], rel=1e-5)
+        for key, value in expected.items():
+            assert res["metrics"][key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), key
 
 
 # ---------------------------------------------------------------------------------------------- trainer side
@@ -403,7 +419,8 @@ def trainer_rank_fn(model_dir: str, data_dir: str, out_dir: str):
             trainer.old_log_prob_source = lambda: "actor"  # force the separate pass
         metrics = trainer.fit()
         trainer.close()
-        sources[source] = (chosen, {k: v for k, v in metrics.items() if k.startswith(("actor/", "timing_s/"))})
+        sources[source] = (chosen, {k: v for k, v in metrics.items()
+                                    if k.startswith(("actor/", "timing_s/", "training/rollout"))})
     return sources
 
 
@@ -422,6 +439,9 @@ def test_trainer_skips_old_log_prob_pass_with_same_parameters(tiny_model_dir, tm
     assert skipped["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
     assert skipped["actor/grad_norm"] == pytest.approx(with_pass["actor/grad_norm"], rel=1e-5)
     assert skipped["actor/entropy"] == pytest.approx(with_pass["actor/entropy"], rel=1e-5)
+    # The sampler/trainer gap: measured by the update when skipping, by the data metrics otherwise.
+    for key in ("training/rollout_probs_diff_max", "training/rollout_log_probs_diff_mean", "training/rollout_kl"):
+        assert skipped[key] == pytest.approx(with_pass[key], rel=1e-3, abs=1e-6), key
     a = load_file(str(tmp_path / "update" / "hf_model" / "model.safetensors"))
     b = load_file(str(tmp_path / "actor" / "hf_model" / "model.safetensors"))
     init = load_file(os.path.join(tiny_model_dir, "model.safetensors"))

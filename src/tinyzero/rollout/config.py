@@ -92,7 +92,7 @@ class RolloutConfig:
     use_rollout_log_probs: bool = False
     """Bypass mode (veRL): the engine's sampling-time log-probs serve as the PPO old log-probs and the
     actor's old_log_prob pass is skipped. Exact only when the engine computes what the trainer would
-    (same weights, dtype, kernels); the update logs the gap (training/rollout_*_diff_mean)."""
+    (same weights, dtype, kernels); the update logs the gap (training/rollout_*)."""
     native_impl: str = "auto"
     """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
     Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""

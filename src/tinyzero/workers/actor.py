@@ -16,9 +16,9 @@ Where old log-probs come from (`data.meta_info["old_log_probs_source"]`, set by 
   one optimizer step is an error.
 - "rollout": veRL's bypass mode; the sampler's `rollout_log_probs` serve as old log-probs.
 In the last two the update reports actor/entropy from its own forward and, when the batch has
-rollout_log_probs, training/rollout_probs_diff_mean and training/rollout_log_probs_diff_mean
-measured before the first optimizer step (the compute_log_prob pass that measures them
-otherwise does not run).
+rollout_log_probs, the rollout/trainer mismatch metrics the trainer logs otherwise
+(training/rollout_*, tinyzero.algorithms.rollout_mismatch_metrics) from the log-probs of its first
+mini-batch, before any optimizer step (the compute_log_prob pass that measures them does not run).
 
 `packing` ("none", "remove_padding", "shared_prefix"; set by the worker from the model config)
 selects the packed forward of tinyzero.workers.packing for every pass.
@@ -27,6 +27,7 @@ selects the packed forward of tinyzero.workers.packing for every pass.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tinyzero.protocol import DataProto
 from tinyzero.workers.batching import make_micro_batches, restore_order
@@ -43,10 +44,8 @@ from tinyzero.workers.update import (
 
 # The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
 _STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
-               "actor/entropy", "actor/kl_loss", "training/rollout_probs_diff_mean",
-               "training/rollout_log_probs_diff_mean")
-_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss", "token", "token")
-_MISMATCH = slice(6, 8)  # the rollout/trainer mismatch stats: first mini-batch only
+               "actor/entropy", "actor/kl_loss")
+_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss")
 OLD_LOG_PROB_SOURCES = ("actor", "update", "rollout")
 
 
@@ -55,6 +54,7 @@ class PPOActor(TrainedModel):
 
     config: ActorConfig
     packing: str = "none"
+    _seen: list | None = None  # (log-prob, rollout log-prob, mask) stacks of the first mini-batch
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -81,12 +81,14 @@ class PPOActor(TrainedModel):
     # ------------------------------------------------------------------ update
     def _micro_loss(self, batch: dict, temperature: float, source: str = "actor"):
         """Loss of one micro-batch (agg_loss-normalised over the micro-batch) and its stats."""
-        from tinyzero.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
+        from tinyzero.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
 
         cfg = self.config
         mask = batch["response_mask"].float()  # (b, R)
         need_entropy = cfg.entropy_coeff != 0 or source != "actor"
         log_prob, entropy = response_log_probs(self.model, batch, temperature, need_entropy, self.packing)
+        if self._seen is not None:
+            self._seen.append(torch.stack([log_prob.detach(), batch["rollout_log_probs"].float(), mask]))  # (3, b, R)
         if not bool(mask.any()):
             # No valid token: the losses are 0/0. A zero loss still runs backward (FSDP collectives).
             zero = log_prob.sum() * 0.0
@@ -94,11 +96,6 @@ class PPOActor(TrainedModel):
         old_log_prob = {"actor": batch.get("old_log_probs"), "update": log_prob.detach(),
                         "rollout": batch.get("rollout_log_probs")}[source]
         zero = torch.zeros((), device=log_prob.device)
-        mismatch = (zero, zero)
-        if source != "actor" and "rollout_log_probs" in batch:
-            rollout = batch["rollout_log_probs"]  # (b, R)
-            mismatch = (masked_mean((rollout.exp() - log_prob.detach().exp()).abs(), mask),
-                        masked_mean((rollout - log_prob.detach()).abs(), mask))
         policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
         rollout_log_probs = batch.get("rollout_log_probs") if cfg.tis_imp_ratio_cap > 0 else None
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
@@ -116,7 +113,22 @@ class PPOActor(TrainedModel):
             kld = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)  # (b, R)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
-        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss) + mismatch
+        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss)
+
+    def _mismatch_metrics(self) -> dict[str, float]:
+        """training/rollout_* over the rows of all ranks seen by the first mini-batch's forwards."""
+        from tinyzero.algorithms import rollout_mismatch_metrics
+
+        seen = torch.cat(self._seen, dim=1) if self._seen else torch.zeros(3, 0, 0, device=self.device)
+        self._seen = None
+        if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            # Ranks hold the same number of rows (a mini-batch each) of the same width.
+            parts = [torch.empty_like(seen) for _ in range(dist.get_world_size(self.dp_group))]
+            dist.all_gather(parts, seen.contiguous(), group=self.dp_group)
+            seen = torch.cat(parts, dim=1)
+        cap = self.config.tis_imp_ratio_cap
+        out = rollout_mismatch_metrics(seen[0], seen[1], seen[2], cap if cap > 0 else None)
+        return {k: float(v) for k, v in out.items()}
 
     def _batch_keys(self, data: DataProto, source: str) -> list[str]:
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "advantages"]
@@ -156,19 +168,21 @@ class PPOActor(TrainedModel):
         params = self.optimizer_params()
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
         grad_norms, skipped = [], 0
+        measure = source != "actor" and "rollout_log_probs" in data.batch
+        self._seen = [] if measure else None
+        mismatch = {}
         for epoch in range(cfg.ppo_epochs):
             seed = cfg.seed + 1000003 * self.num_updates + epoch
             for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
                 micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                                cfg.ppo_max_token_len_per_gpu, self.dp_group, self.packing)
                 self.optimizer.zero_grad(set_to_none=True)
-                stats = accumulate_gradients(
+                stats_sum += accumulate_gradients(
                     micros, mini.batch["response_mask"], cfg.loss_agg_mode,
                     lambda batch: self._micro_loss(batch, temperature, source), _STAT_KINDS, self.device,
                     self.dp_size, self.dp_group)
-                if grad_norms:  # the mismatch is measured before the first optimizer step only
-                    stats[_MISMATCH] = 0.0
-                stats_sum += stats
+                if self._seen is not None:  # measured before the first optimizer step only
+                    mismatch = self._mismatch_metrics()
                 grad_norm, stepped = optimizer_step(self.optimizer, params, cfg.grad_clip, "actor")
                 grad_norms.append(grad_norm)
                 skipped += 0 if stepped else 1
@@ -176,11 +190,7 @@ class PPOActor(TrainedModel):
         self.num_updates += 1
         steps = len(grad_norms)
         metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
-        for name in _STAT_NAMES[_MISMATCH]:
-            if source == "actor" or "rollout_log_probs" not in data.batch:
-                metrics.pop(name)
-            else:
-                metrics[name] *= steps
+        metrics.update(mismatch)
         if cfg.entropy_coeff == 0 and source == "actor":
             metrics.pop("actor/entropy")
         if cfg.use_kl_loss:
