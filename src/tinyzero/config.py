@@ -103,8 +103,10 @@ class TrainerConfig:
     taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
     hang_timeout_s: float = 300.0
     """Progress watchdog: when a rank reports no progress (a step phase, a micro-batch, generated
-    tokens, scored samples) for this long, every rank dumps its Python stacks and the job ends
-    naming the stuck rank, its phase and its last progress. 0 disables it (e.g. under a debugger)."""
+    tokens, scored samples) for this long while its main thread sits still outside a collective, or
+    stops answering (SIGSTOP), every rank dumps its Python stacks and the job ends naming the stuck
+    rank, its phase and its last progress. Start-up (model loading) is not watched. 0 disables it
+    (e.g. under a debugger)."""
     save_on_signal: bool = True
     """On SIGTERM / SIGINT (Slurm and Kubernetes send SIGTERM before killing): finish the current step,
     save a checkpoint on every rank, and exit non-zero saying so. A second signal stops at once.
