@@ -86,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     from tinyzero.progress import start_watchdog, stop_watchdog
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.ppo import NonFiniteError
-    from tinyzero.trainer.preemption import Preempted, install_stop_handlers, uninstall_stop_handlers
+    from tinyzero.trainer.preemption import (
+        Preempted,
+        exit_if_signalled,
+        install_stop_handlers,
+        uninstall_stop_handlers,
+    )
     from tinyzero.trainer.runlock import RunFolderBusy, hold_run_folder
 
     # Config checks are the same on every rank, so only rank 0 reports them (once per job).
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return _after_report(3)
     except BaseException:
         print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        exit_if_signalled()  # torchrun sends SIGTERM to the survivors of a failed rank: skip the teardown
         raise
     finally:
         uninstall_stop_handlers()

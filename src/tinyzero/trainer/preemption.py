@@ -9,7 +9,8 @@ The handler only records the signal: the step in flight finishes, then every ran
 all-reduce of the flag, since the signal may reach the ranks at different moments, or only
 one of them), saves, and exits non-zero saying so. If no safe point is reached within
 `grace_s` of the signal, the process exits on its own with one line saying so (the last
-checkpoint is intact, since saves are atomic). A second signal ends the process at once.
+checkpoint is intact, since saves are atomic). A second signal ends the process at once (a repeat
+within 2 s is the same request), and so does a failure after the signal (no teardown).
 """
 
 from __future__ import annotations
@@ -43,9 +44,16 @@ class _State:
     timer: threading.Timer | None = None
 
 
+# A repeat within this window is the same request: under Slurm (every process signalled) or Ctrl-C (the
+# whole process group), torchrun forwards the signal it got itself a moment after the workers got theirs.
+REPEAT_WINDOW_S = 2.0
+
+
 def _on_signal(signum, frame) -> None:
-    if _State.signum is not None:  # a second signal: stop now, the default way
-        signal.signal(signum, signal.SIG_DFL)
+    if _State.signum is not None:
+        if time.monotonic() - _State.received_at < REPEAT_WINDOW_S:
+            return
+        signal.signal(signum, signal.SIG_DFL)  # a second signal: stop now, the default way
         os.kill(os.getpid(), signum)
         return
     _State.signum, _State.received_at = signum, time.monotonic()
@@ -98,6 +106,14 @@ def stop_requested() -> str | None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     signum = int(flag.item())
     return signal.Signals(signum).name if signum else None
+
+
+def exit_if_signalled() -> None:
+    """After a signal, a run that fails anyway exits at once (no teardown): whoever sent it wants it gone."""
+    if _State.signum is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + _State.signum)
 
 
 def finish(signame: str, step: int, saved_at: str) -> Preempted:
