@@ -114,17 +114,23 @@ def test_slow_function_stops_at_the_batch_budget(fns):
     assert f"{fns}:slow" in msg and "reward.batch_timeout_s=1 s" in msg and "in flight: sample " in msg, msg
 
 
-def test_slow_function_with_on_error_zero_keeps_what_was_scored(fns, capsys):
+def test_slow_function_with_on_error_zero_keeps_what_was_scored(fns, capsys, monkeypatch):
+    import tinyzero.rewards.manager as manager
+
+    monkeypatch.setattr(manager, "PROGRESS_EVERY_S", 0.0)  # a progress line at every scored sample
     rm = _manager(fns, "slow", num_workers=2, batch_timeout_s=1.0, on_error="zero")
     try:
         out = rm(_batch([f"r{i}" for i in range(20)]))
     finally:
         rm.close()
+    captured = capsys.readouterr()
+    err = captured.err
+    assert f"/20 samples scored by reward.custom_fn {fns}:slow in " in captured.out
     scores = out.scores.tolist()
     scored = sum(s == 1.0 for s in scores)
     assert 2 <= scored < 20 and set(scores) == {0.0, 1.0}, scores
     assert out.metrics["reward/num_timeouts"] == 20 - scored
-    assert "did not finish the batch within reward.batch_timeout_s=1 s" in capsys.readouterr().err
+    assert "did not finish the batch within reward.batch_timeout_s=1 s" in err
 
 
 @pytest.mark.parametrize("response,expected", [
