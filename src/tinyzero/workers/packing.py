@@ -50,7 +50,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PACKING_MODES = ("none", "remove_padding", "shared_prefix")
 _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 DENSE_ROW_TOKENS = 4096
 
