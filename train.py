@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError, parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
     from tinyzero.progress import start_watchdog, stop_watchdog
+    from tinyzero.rewards.manager import RewardError
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.ppo import NonFiniteError
     from tinyzero.trainer.preemption import (
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr, flush=True)
             _debug_traceback()
         return _after_report(2)
-    except (RunFolderBusy, CheckpointSpaceError, Preempted) as e:
+    except (RunFolderBusy, CheckpointSpaceError, Preempted, RewardError) as e:
         # Decided on rank 0 and shared (or agreed by a collective), so every rank raises it: rank 0 reports.
         if get_rank() == 0:
             print(f"stopped: {e}", file=sys.stderr, flush=True)
