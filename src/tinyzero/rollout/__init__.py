@@ -6,7 +6,9 @@
                                                    # position_ids, response_mask, rollout_log_probs
     engine.sleep(); engine.wake_up(tags=None)
 
-"native" (native.py) runs anywhere torch runs; "vllm" (vllm_rollout.py) is vLLM in-process.
+"native" (native.py) runs anywhere torch runs; "vllm" (vllm_rollout.py) is vLLM in-process; "auto"
+picks vLLM where it is usable and a GPU is present. The interface, the typed sampling parameters and
+the engine registry are in engine.py.
 
 Decisions (numbers from bench/rollout.py on the 2-core CPU machine):
 * The native engine generates from its own inference copy of the model, fed by
@@ -23,41 +25,16 @@ Decisions (numbers from bench/rollout.py on the 2-core CPU machine):
 
 from __future__ import annotations
 
-import torch
-
 from tinyzero.rollout.config import RolloutConfig, ValKwargs
+from tinyzero.rollout.engine import (
+    ENGINES,
+    RolloutEngine,
+    SamplingParams,
+    build_rollout,
+    register_engine,
+    sampling_params,
+)
 from tinyzero.rollout.weight_sync import iter_full_params
 
-__all__ = ["RolloutConfig", "ValKwargs", "build_rollout", "iter_full_params"]
-
-
-def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_config=None,
-                  device: torch.device | str | None = None, dp_rank: int = 0, load_weights: bool = False,
-                  trust_remote_code: bool = False):
-    """Build the engine named by config.name on `device`.
-
-    model_path: the HF folder (vLLM reads its config; the native engine reads weights from it only
-    when load_weights is True). hf_config: the model's config (read from model_path when None).
-    dp_rank: this rank's data-parallel index (rank // tensor_model_parallel_size); it decorrelates
-    the samplers of different DP ranks. load_weights: start from the checkpoint's weights instead of
-    waiting for update_weights. tokenizer is accepted for interface symmetry (engines work on ids).
-    """
-    del tokenizer
-    if hf_config is None:
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code,
-                                               local_files_only=True)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    if config.name == "native":
-        from tinyzero.rollout.native import NativeRollout
-
-        return NativeRollout(config, hf_config, device, model_path=model_path if load_weights else None,
-                             dp_rank=dp_rank, trust_remote_code=trust_remote_code)
-    if config.name == "vllm":
-        from tinyzero.rollout.vllm_rollout import VLLMRollout
-
-        return VLLMRollout(config, model_path, hf_config, device, dp_rank=dp_rank, load_dummy=not load_weights,
-                           trust_remote_code=trust_remote_code)
-    raise ValueError(f"rollout.name={config.name!r}: use 'native' or 'vllm'")
+__all__ = ["ENGINES", "RolloutConfig", "RolloutEngine", "SamplingParams", "ValKwargs", "build_rollout",
+           "iter_full_params", "register_engine", "sampling_params"]

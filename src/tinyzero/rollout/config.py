@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ENGINE_NAMES = ("native", "vllm")
+from tinyzero.agent.config import MultiTurnConfig
+from tinyzero.rollout.engine import check_sampling, engine_names, resolve_auto
+
 DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 NATIVE_IMPLS = ("auto", "fused", "hf")
-
-
-def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, n: int) -> None:
-    if temperature < 0:
-        raise ValueError(f"{prefix}temperature={temperature} must be >= 0 (0 means greedy)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"{prefix}top_p={top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling")
-    if top_k < -1 or top_k == 0:
-        raise ValueError(f"{prefix}top_k={top_k} must be -1 (disabled) or a positive count")
-    if n < 1:
-        raise ValueError(f"{prefix}n={n} must be >= 1")
 
 
 @dataclass
@@ -36,7 +27,7 @@ class ValKwargs:
     """False: greedy validation (the default, as in veRL)."""
 
     def __post_init__(self):
-        _check_sampling("rollout.val_kwargs.", self.temperature, self.top_p, self.top_k, self.n)
+        check_sampling("rollout.val_kwargs.", self.temperature, self.top_p, self.top_k, self.n)
 
 
 @dataclass
@@ -44,7 +35,9 @@ class RolloutConfig:
     """How responses are generated during RL (veRL: `actor_rollout_ref.rollout`)."""
 
     name: str = "native"
-    """Engine: "native" (torch only, CPU and GPU) or "vllm" (in-process vLLM)."""
+    """Engine: "native" (torch only, CPU and GPU), "vllm" (in-process vLLM), any other registered engine
+    (rollout/engine.py), or "auto": vLLM where it imports (a tested version) and a GPU is present, else
+    native; resolved when the config is built, with a one-line notice."""
     n: int = 1
     """Responses sampled per prompt (GRPO / RLOO group size)."""
     temperature: float = 1.0
@@ -110,16 +103,28 @@ class RolloutConfig:
     """Native engine: prefill each prompt once for its n samples and decode them against its shared
     keys and values (the fused decoder keeps one prompt block per prompt plus a response block per row;
     the HF decoder copies the prefilled cache to the rows). False prefills every row (n copies of each
-    prompt). Same samples for the same seed either way; only rounding in the last bits differs."""
+    prompt). Both draw the same uniforms per row. The HF decoder's logits are bit-identical either way;
+    the fused decoder's differ in the last bits (a prompt's scores are one matmul for all its rows), so
+    greedy output is unchanged but a sampled token can flip where its uniform lies within rounding of a
+    CDF boundary (SmolLM2-135M, T=1: 1 of 512 tokens), as with native_compile."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Agentic multi-turn rollout (tinyzero.agent): the loop of turns, tools or an environment, and the
+    tool sandbox, around the engine `name` picks."""
 
     def __post_init__(self):
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargs(**self.val_kwargs)
-        if self.name not in ENGINE_NAMES:
-            raise ValueError(f"rollout.name={self.name!r} is not one of {ENGINE_NAMES}")
-        _check_sampling("rollout.", self.temperature, self.top_p, self.top_k, self.n)
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if self.name == "auto":
+            from tinyzero.distributed import get_rank
+
+            self.name = resolve_auto(print if get_rank() == 0 else None)
+        if self.name not in engine_names():
+            raise ValueError(f"rollout.name={self.name!r} is not one of {engine_names()}")
+        check_sampling("rollout.", self.temperature, self.top_p, self.top_k, self.n)
         if self.prompt_length < 1 or self.response_length < 1:
             raise ValueError("rollout.prompt_length and rollout.response_length must be >= 1")
         if self.dtype not in DTYPE_NAMES:

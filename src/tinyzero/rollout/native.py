@@ -19,9 +19,10 @@ import torch
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.decoder import build_decoder
+from tinyzero.rollout.engine import sampling_params
 from tinyzero.rollout.generate import generate
-from tinyzero.rollout.outputs import PROMPT_KEYS, build_output, call_seed, check_prompt_batch, repeat_prompts
-from tinyzero.rollout.sampling import draw_uniforms, make_generator, resolve_sampling_params
+from tinyzero.rollout.outputs import PROMPT_KEYS, build_output, check_prompt_batch, repeat_prompts
+from tinyzero.rollout.sampling import draw_uniforms, make_generator
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -126,8 +127,7 @@ class NativeRollout:
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
-        seed = call_seed(self.config.seed, prompts.meta_info, self.num_calls, self.dp_rank)
-        params = resolve_sampling_params(self.config, {**prompts.meta_info, "seed": seed}, seed)
+        params = sampling_params(self.config, prompts.meta_info, self.num_calls, self.dp_rank)
         self.num_calls += 1
         n, R = params.n, params.response_length
         rows = len(prompts) * n

@@ -16,18 +16,6 @@ from tinyzero.protocol import DataProto
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def call_seed(config_seed: int, meta_info: dict, num_calls: int, dp_rank: int) -> int:
-    """The sampling seed of one generate call on one data-parallel rank.
-
-    The base is the batch's `meta_info["seed"]` when the trainer sets one (a seed per step, so
-    a resumed run replays the same samples), else a fresh stream per call from the config seed.
-    The DP rank is always mixed in: rows at the same position on different ranks must not share
-    sampling noise. Ranks of one tensor-parallel group share a DP rank, so they stay equal.
-    """
-    base = int(meta_info["seed"]) if "seed" in meta_info else config_seed * 1_000_003 + num_calls * 7_919
-    return (base * 1_000_003 + dp_rank * 100_003) % 2**62
-
-
 def check_prompt_batch(prompts: DataProto) -> None:
     """Fail with a clear message when the prompt batch lacks a key or is not left-padded."""
     missing = [k for k in PROMPT_KEYS if k not in prompts.batch]

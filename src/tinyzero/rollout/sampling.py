@@ -1,4 +1,4 @@
-"""Sampling parameters and the on-device sampler shared by the rollout engines.
+"""The on-device sampler shared by the rollout engines (its parameters: engine.SamplingParams).
 
 Log-prob convention (the trainer's): the reported log-prob of a sampled token is
 log_softmax(logits / T)[token] over the full vocabulary, *before* top-k / top-p truncation,
@@ -20,61 +20,12 @@ entry, and no argmax (whose CPU kernel is scalar). Greedy decoding is the argmax
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from tinyzero.rollout.config import RolloutConfig
+from tinyzero.rollout.engine import SamplingParams, resolve_sampling_params
 
-
-@dataclass
-class SamplingParams:
-    """Everything one `generate_sequences` call needs to know about sampling."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    do_sample: bool = True
-    response_length: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)
-    pad_token_id: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return (not self.do_sample) or self.temperature == 0.0
-
-
-def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def resolve_sampling_params(config: RolloutConfig, meta_info: dict, seed: int) -> SamplingParams:
-    """Merge the rollout config with a batch's meta_info (veRL keys: eos_token_id, pad_token_id,
-    do_sample, validate, n, temperature, top_p, top_k, response_length)."""
-    if meta_info.get("validate", False):
-        vk = config.val_kwargs
-        base = dict(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k, do_sample=vk.do_sample)
-    else:
-        base = dict(n=config.n, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                    do_sample=config.do_sample)
-    for key in ("n", "temperature", "top_p", "top_k", "do_sample"):
-        if meta_info.get(key) is not None:
-            base[key] = type(base[key])(meta_info[key])
-    stop = _as_id_list(meta_info.get("eos_token_id")) + _as_id_list(meta_info.get("stop_token_ids"))
-    if "pad_token_id" not in meta_info:
-        raise ValueError("prompt batch meta_info lacks pad_token_id (the dataloader sets it from the tokenizer)")
-    response_length = int(meta_info.get("response_length", config.response_length))
-    if response_length < 1:
-        raise ValueError(f"response_length={response_length} must be >= 1")
-    return SamplingParams(response_length=response_length, stop_token_ids=sorted(set(stop)),
-                          pad_token_id=int(meta_info["pad_token_id"]),
-                          seed=int(meta_info.get("seed", seed)), **base)
+__all__ = ["SamplingParams", "apply_top_k_top_p", "draw_uniforms", "make_generator", "resolve_sampling_params",
+           "sample_from_logits"]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

