@@ -4,7 +4,7 @@
     default_compute_score("countdown", "<answer>(3 + 5) * 8</answer>", {"target": 64, "numbers": [3, 5, 8]})
 
 Scorer modules: `countdown`, `gsm8k`, `arithmetic` (TinyZero's multiply / arithmetic),
-`math_boxed` (MATH \\boxed answers). `RewardManager` and `RewardOutput` are imported lazily so
+`math_boxed` (MATH \\boxed answers). `RewardManager`, `RewardOutput` and `RewardError` are imported lazily so
 that scoring worker processes do not pay for importing torch.
 """
 
@@ -22,6 +22,7 @@ from tinyzero.rewards.safe_eval import SafeEvalError, safe_eval
 
 __all__ = [
     "RewardConfig",
+    "RewardError",
     "RewardManager",
     "RewardOutput",
     "SCORERS",
@@ -40,7 +41,7 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name in ("RewardManager", "RewardOutput"):
+    if name in ("RewardError", "RewardManager", "RewardOutput"):
         from tinyzero.rewards import manager
 
         return getattr(manager, name)
