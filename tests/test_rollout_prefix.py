@@ -156,3 +156,34 @@ class _Counting:
         if start == 0:
             self.seen.append(ids.numel())
         return self.inner(ids, pos, valid, start)
+
+
+@pytest.mark.slow
+def test_real_model_shared_greedy_equals_hf_generate(smollm2_path):
+    """SmolLM2-135M-Instruct (real weights, 3 kv heads of 64): chat prompts of different lengths, n=3 rows
+    each decoded against one prefill, equal HF generate token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinyzero.protocol import DataProto
+    from tinyzero.rollout import RolloutConfig, build_rollout
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    questions = ["What is the capital of France?", "Add 17 and 25.", "Hi"]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    n, R = 3, 16
+    batch = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
+                                meta_info={"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
+    engine = build_rollout(RolloutConfig(response_length=R, n=n, do_sample=False, native_impl="fused"), smollm2_path,
+                           device="cpu", load_weights=True)
+    got = engine.generate_sequences(batch).batch["responses"]
+    assert engine.decoder.group_caches and engine.decoder.caches[0].k_cache.shape[0] == len(questions)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=R, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    ref = ref.repeat_interleave(n, 0)
+    assert torch.equal(got[:, : ref.shape[1]], ref), (tok.batch_decode(got), tok.batch_decode(ref))
+    assert "Paris" in tok.decode(got[0], skip_special_tokens=True)

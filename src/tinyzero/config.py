@@ -16,6 +16,7 @@ import difflib
 import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -216,6 +217,20 @@ class Config:
 # --------------------------------------------------------------------------- cross-field checks
 
 
+def check_dapo(cfg: Config) -> None:
+    """DAPO's settings against the rest: the overlong buffer fits the response; the filter's metric is known
+    before the in-reward KL."""
+    buffer = cfg.reward.overlong_buffer
+    if buffer.enable and buffer.len > cfg.data.max_response_length:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len} exceeds data.max_response_length="
+                          f"{cfg.data.max_response_length}; set a buffer of at most the response length")
+    fg = cfg.algorithm.filter_groups
+    if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward cannot see the in-reward KL (it needs the "
+                          "log-prob passes, which run on the kept groups only); use metric=seq_reward, or "
+                          "algorithm.use_kl_in_reward=false")
+
+
 def check_config(cfg: Config) -> None:
     """Checks that need no world size (run when the config is built)."""
     arr = cfg.actor_rollout_ref
@@ -229,6 +244,11 @@ def check_config(cfg: Config) -> None:
     if estimator.needs_groups and n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
                          f"group: set actor_rollout_ref.rollout.n >= 2 (got {n})")
+    if estimator.needs_groups and n > 1 and not arr.rollout.do_sample:
+        warnings.warn(f"actor_rollout_ref.rollout.do_sample=false with n={n}: greedy rollouts give {n} identical "
+                      f"samples per prompt, so {cfg.algorithm.adv_estimator}'s group advantages are all 0; set "
+                      "do_sample=true to train on them", stacklevel=2)
+    check_dapo(cfg)
     if arr.actor.policy_loss.loss_mode not in POLICY_LOSSES:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} is "
                          f"unknown; use one of {sorted(POLICY_LOSSES)} or register one with register_policy_loss")

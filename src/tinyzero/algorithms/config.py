@@ -37,6 +37,33 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (`algorithm.filter_groups`, veRL's names)."""
+
+    enable: bool = False
+    """Drop the groups (a prompt's n samples) whose samples all have the same `metric` value, and
+    generate further prompt batches until data.train_batch_size prompts are kept."""
+    metric: str = "acc"
+    """The per-sample value compared within a group: "acc" or "score" (the scorer's, before overlong
+    shaping), "seq_reward" (the summed token_level_scores, with the overlong penalty), "seq_final_reward"
+    (the summed token_level_rewards: equal to seq_reward, since filtering comes before the log-prob
+    passes; so it cannot be used with use_kl_in_reward). New metrics: register_filter_metric."""
+    max_num_gen_batches: int = 0
+    """The most prompt batches generated for one step; past it the step fails naming this setting.
+    0: no limit."""
+
+    def __post_init__(self):
+        from .dynamic_sampling import FILTER_METRICS
+
+        if self.metric not in FILTER_METRICS:
+            raise ValueError(f"algorithm.filter_groups.metric={self.metric!r} is unknown; use one of "
+                             f"{list(FILTER_METRICS)}")
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no limit), got "
+                             f"{self.max_num_gen_batches}")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and in-reward KL (`algorithm` section)."""
 
@@ -57,10 +84,14 @@ class AlgorithmConfig:
     """Per-token KL estimator of the in-reward penalty: kl|k1, abs, mse|k2, low_var_kl|k3."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient controller of the in-reward penalty."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (off by default)."""
 
     def __post_init__(self):
         if isinstance(self.kl_ctrl, dict):
             self.kl_ctrl = KLControlConfig(**self.kl_ctrl)
+        if isinstance(self.filter_groups, dict):
+            self.filter_groups = FilterGroupsConfig(**self.filter_groups)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"algorithm.gamma must be in [0, 1] (got {self.gamma})")
         if not 0.0 <= self.lam <= 1.0:

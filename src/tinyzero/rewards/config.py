@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["RewardConfig"]
+__all__ = ["OverlongBufferConfig", "RewardConfig"]
 
 _GSM8K_METHODS = ("strict", "flexible")
 _ON_ERROR = ("raise", "zero")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (`reward.overlong_buffer`; veRL: reward_model.overlong_buffer)."""
+
+    enable: bool = False
+    """Add a linear length penalty to the score of responses longer than
+    data.max_response_length - len tokens (see tinyzero.rewards.overlong)."""
+    len: int = 4096
+    """The buffer: the last `len` tokens before data.max_response_length, over which the penalty
+    grows from 0 to penalty_factor (must be >= 1 and <= data.max_response_length)."""
+    penalty_factor: float = 1.0
+    """The penalty at a response of data.max_response_length tokens (>= 0)."""
+
+    def __post_init__(self):
+        if self.len < 1:
+            raise ValueError(f"reward.overlong_buffer.len must be >= 1 token, got {self.len}")
+        if self.penalty_factor < 0:
+            raise ValueError(f"reward.overlong_buffer.penalty_factor must be >= 0, got {self.penalty_factor}")
 
 
 @dataclass
@@ -55,7 +75,12 @@ class RewardConfig:
     num_examine: int = 0
     """Print this many decoded responses per data_source per call (rank 0), for eyeballing."""
 
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping (off by default)."""
+
     def __post_init__(self):
+        if isinstance(self.overlong_buffer, dict):
+            self.overlong_buffer = OverlongBufferConfig(**self.overlong_buffer)
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
         if self.parallel_min_batch < 1:

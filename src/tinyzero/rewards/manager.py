@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from tinyzero.progress import report_progress
 from tinyzero.rewards.config import RewardConfig
+from tinyzero.rewards.overlong import apply_overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
 from tinyzero.rewards.scoring import ScoringPool, score_tasks
 
@@ -252,6 +253,7 @@ class RewardManager:
                 sample = {"prompt": prompts[i], **sample}
             samples.append(sample)
         metrics = self._metrics(tasks, results)
+        token_level_scores = apply_overlong_penalty(token_level_scores, lengths, self.config.overlong_buffer, metrics)
         metrics["reward/parallel"] = float(parallel)
         metrics["timing_s/reward"] = time.perf_counter() - start
         self._examine(samples)

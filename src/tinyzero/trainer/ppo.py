@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tinyzero.algorithms.advantages import compute_advantage, get_adv_estimator_spec
+from tinyzero.algorithms.dynamic_sampling import FILTER_METRICS, filter_groups
 from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
 from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
@@ -106,8 +107,10 @@ class PPOTrainer:
             report_progress("step", step=self.global_step)
             metrics, timing = {}, {}
             with timer("step", timing):
-                batch = self.next_batch()
-                batch = self.rollout(batch, timing, metrics)
+                if self.config.algorithm.filter_groups.enable:
+                    batch = self.rollout_filtered(timing, metrics)  # DAPO: generate and score until full
+                else:
+                    batch = self.rollout(self.next_batch(), timing, metrics)
                 batch = self.score(batch, timing, metrics)
                 batch = self.compute_advantages(batch, timing, metrics)
                 self.update_critic(batch, timing, metrics)
@@ -130,13 +133,15 @@ class PPOTrainer:
         if self.config.trainer.plot and self.tracker.enabled:
             draw_curves(self.config.trainer.default_local_dir, self.tracker)
 
-    def next_batch(self) -> DataProto:
-        """The next prompt batch (epochs roll over inside; resumable through the loader's state)."""
+    def next_batch(self, part: int = 0) -> DataProto:
+        """The next prompt batch (epochs roll over inside; resumable through the loader's state).
+
+        `part` numbers the prompt batches of one step (dynamic sampling draws several): uids stay unique."""
         if self._batches is None:
             self._batches = self._iterate()
         batch = next(self._batches)
-        batch.non_tensor_batch["uid"] = np.array([f"{self.global_step}-{i}" for i in range(len(batch))],
-                                                 dtype=object)
+        prefix = f"{self.global_step}" if part == 0 else f"{self.global_step}.{part}"
+        batch.non_tensor_batch["uid"] = np.array([f"{prefix}-{i}" for i in range(len(batch))], dtype=object)
         return batch
 
     def _iterate(self):
@@ -150,21 +155,30 @@ class PPOTrainer:
         The weight sync inside generation is booked as its own phase (timing_s/weight_sync, out of
         timing_s/gen). The old_log_prob pass runs only when old_log_prob_source() says "actor".
         """
+        return self.forward_passes(self.generate(batch, timing, metrics), timing, metrics)
+
+    def generate(self, batch: DataProto, timing: dict, metrics: dict, part: int = 0) -> DataProto:
+        """n responses per prompt (rollout.do_sample decides sampling or greedy), joined to the repeated prompts."""
         arr = self.config.actor_rollout_ref
         n = arr.rollout.n
         gen_batch = batch.pop(batch_keys=list(GEN_KEYS), non_tensor_batch_keys=list(GEN_NON_TENSOR_KEYS))
-        gen_batch.meta_info.update(self._gen_meta(do_sample=True))
+        gen_batch.meta_info.update(self._gen_meta(do_sample=arr.rollout.do_sample, part=part))
         with timer("gen", timing):
             gen = self.roles.actor_rollout.generate_sequences(gen_batch)
         gen_metrics = pop_metrics(gen)
-        timing["weight_sync"] = gen_metrics.pop("timing_s/weight_sync", 0.0)
-        timing["gen"] -= timing["weight_sync"]
+        weight_sync = gen_metrics.pop("timing_s/weight_sync", 0.0)
+        timing["weight_sync"] = timing.get("weight_sync", 0.0) + weight_sync
+        timing["gen"] -= weight_sync
         metrics.update(gen_metrics)
         self.add_reward_baselines(batch, gen_batch, timing)
-        batch = batch.repeat(n, interleave=True).union(gen)
+        return batch.repeat(n, interleave=True).union(gen)
+
+    def forward_passes(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
+        """Balance the rows over the ranks; old log-probs, reference log-probs and values as the run needs."""
+        arr = self.config.actor_rollout_ref
         if self.config.trainer.balance_batch:
             # Shared-prefix packing saves most when a prompt's samples stay on one rank.
-            group = n if arr.model.use_shared_prefix else 1
+            group = arr.rollout.n if arr.model.use_shared_prefix else 1
             balance_batch(batch, self.roles.actor_rollout_dp_size, metrics, group_size=group)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         source = self.old_log_prob_source()
@@ -219,14 +233,14 @@ class PPOTrainer:
             return "update"
         return "actor"
 
-    def _gen_meta(self, do_sample: bool, validate: bool = False) -> dict:
+    def _gen_meta(self, do_sample: bool, validate: bool = False, part: int = 0) -> dict:
         rollout = self.config.actor_rollout_ref.rollout
         # No eos_token_id: the rollout worker stops on every end id of the generation config (a list for
         # many chat models); the tokenizer's single eos here would override that list.
         meta = {"pad_token_id": self.tokenizer.pad_token_id, "do_sample": do_sample, "validate": validate,
                 "global_steps": self.global_step,
                 # Sampling depends only on (seed, step), so a resumed run draws what the original drew.
-                "seed": rollout.seed + 7919 * self.global_step + (104729 if validate else 0)}
+                "seed": rollout.seed + 7919 * self.global_step + (104729 if validate else 0) + 15485863 * part}
         if validate:
             vk = rollout.val_kwargs
             meta.update(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
@@ -235,6 +249,17 @@ class PPOTrainer:
 
     def score(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
         """Model reward (if any) + rule rewards -> token_level_scores; KL in reward -> token_level_rewards."""
+        if "token_level_scores" not in batch.batch:  # rollout_filtered scores before it filters
+            batch = self.compute_scores(batch, timing, metrics)
+        if self.config.algorithm.use_kl_in_reward:
+            batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, self.config.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        return batch
+
+    def compute_scores(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
+        """token_level_scores (rule + model rewards), and the scorer's per-sample score and acc (non-tensors)."""
         with timer("reward", timing):
             out = self.reward_fn(batch)
             scores = out.token_level_scores  # (rows, R): the rule score at the last response token
@@ -248,14 +273,41 @@ class PPOTrainer:
                 for sample, value in zip(out.samples, batch.batch["rm_scores"].sum(-1).tolist()):
                     sample["rm_score"] = value
             batch.batch["token_level_scores"] = scores
+            for key in ("score", "acc"):
+                batch.non_tensor_batch[key] = np.array([float(s[key]) for s in out.samples], dtype=np.float64)
             metrics.update(out.metrics)
             self._log_samples(out.samples, "train")
-        if self.config.algorithm.use_kl_in_reward:
-            batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, self.config.algorithm.kl_penalty)
-            metrics.update(kl_metrics)
-        else:
-            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         return batch
+
+    def rollout_filtered(self, timing: dict, metrics: dict) -> DataProto:
+        """DAPO's dynamic sampling (algorithm.filter_groups): generate and score prompt batches, dropping the groups
+        whose samples all have the same filter_groups.metric, until data.train_batch_size prompts are kept; the
+        batch is cut to exactly train_batch_size x n rows (as veRL), then the forward passes run on it.
+
+        Every batch drawn advances the data loader (its position is in the checkpoint). The generation batches'
+        metrics are averaged; train/num_gen_batches counts them, train/kept_group_fraction is the fraction of
+        their groups that passed the filter.
+        """
+        fg = self.config.algorithm.filter_groups
+        want, n = self.config.data.train_batch_size, self.config.actor_rollout_ref.rollout.n
+        kept, part_metrics, num_groups, num_kept = [], [], 0, 0
+        while num_kept < want:
+            if 0 < fg.max_num_gen_batches <= len(part_metrics):
+                raise ValueError(f"step {self.global_step}: {num_kept} of data.train_batch_size={want} prompts kept "
+                                 f"after algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} "
+                                 f"generation batches: too few groups have samples of different {fg.metric}. "
+                                 "Check that the data is not too hard (or too easy) for the model, or raise "
+                                 "max_num_gen_batches (0: no limit)")
+            part, part_metrics = len(part_metrics), [*part_metrics, {}]
+            batch = self.generate(self.next_batch(part), timing, part_metrics[-1], part=part)
+            batch = self.compute_scores(batch, timing, part_metrics[-1])
+            result = filter_groups(batch.non_tensor_batch["uid"], FILTER_METRICS[fg.metric](batch))
+            kept.append(batch.select_idxs(result.rows))
+            num_groups, num_kept = num_groups + result.num_groups, num_kept + result.num_kept_groups
+        metrics.update(merge_worker_metrics(part_metrics))
+        metrics["train/num_gen_batches"] = float(len(part_metrics))
+        metrics["train/kept_group_fraction"] = num_kept / num_groups
+        return self.forward_passes(DataProto.concat(kept)[: want * n], timing, metrics)
 
     def compute_advantages(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
         alg = self.config.algorithm
@@ -323,6 +375,7 @@ class PPOTrainer:
                                        self.config.actor_rollout_ref.actor.ppo_epochs, self.device))
         out["perf/max_memory_allocated_gb"] = max_memory_allocated_gb(self.device)
         out["training/global_step"] = float(self.global_step)
+        out["training/num_samples"] = float(len(batch))  # responses trained on this step
         out["training/epoch"] = float(self.train_loader.epoch)
         return out
 
