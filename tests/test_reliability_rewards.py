@@ -215,3 +215,20 @@ def test_each_sample_scored_once_and_a_divergent_or_failing_rank_is_named(fns):
     raised = [g["raise"] for g in got]
     assert raised[0] == raised[1], raised  # the same decision on every rank
     assert "only rank 1 sees this" in raised[0] and "sample 5 (data_source 'my_source', scored on rank 1" in raised[0]
+
+
+def test_a_worker_that_cannot_load_the_function_is_an_error_not_a_hang(tmp_path):
+    path = tmp_path / "parent_only.py"
+    path.write_text(
+        "import sys\n"
+        "main = getattr(sys.modules['__main__'], '__spec__', None)\n"
+        "if main is not None and main.name == 'tinyzero.rewards.scoring_worker':\n"
+        "    raise ImportError('a module missing in the worker environment')\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0\n")
+    rm = RewardManager(CharTokenizer(), RewardConfig(custom_fn=f"{path}:score"))  # loads in this process
+    try:
+        with pytest.raises(RewardError, match="could not load its scorer: ImportError: a module missing"):
+            rm(_batch(["a", "b"]))
+    finally:
+        rm.close()

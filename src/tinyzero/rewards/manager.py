@@ -28,6 +28,7 @@ import hashlib
 import os
 import sys
 import time
+import traceback
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -158,7 +159,13 @@ class RewardManager:
     def _score_sharded(self, tasks: list) -> tuple[list[dict], bool]:
         """Every sample scored once across the ranks; every rank gets every result."""
         rank, world = _rank(), _world()
-        local, parallel = self._score(tasks[rank::world])
+        shard = tasks[rank::world]
+        try:
+            local, parallel = self._score(shard)
+        except Exception as e:  # noqa: BLE001 - e.g. a worker that cannot start: every rank must learn of it
+            error = {"score": 0.0, "acc": False, "formatted": False, "error": f"{type(e).__name__}: {e}"[:500],
+                     "timeout": False, "traceback": traceback.format_exc()[-4000:]}
+            local, parallel = [dict(error) for _ in shard], True
         # Only the first traceback of a shard travels (the others are dropped: one is printed).
         seen = False
         for r in local:
