@@ -153,25 +153,25 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth, ext
 _CUSTOM_CACHE: dict[str, Callable[..., Any]] = {}
 
 
-def load_custom_fn(spec: str) -> Callable[..., Any]:
-    """Load `path/to/file.py:function` (the file is imported as a fresh module); clear errors."""
+def load_custom_fn(spec: str, what: str = "reward.custom_fn") -> Callable[..., Any]:
+    """Load `path/to/file.py:function` (the file is imported as a fresh module); errors name `what`."""
     if spec in _CUSTOM_CACHE:
         return _CUSTOM_CACHE[spec]
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
-        raise ValueError(f"reward.custom_fn must look like path/to/file.py:function_name, got {spec!r}")
+        raise ValueError(f"{what} must look like path/to/file.py:function_name, got {spec!r}")
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
-        raise ValueError(f"reward.custom_fn: file {path!r} does not exist")
+        raise ValueError(f"{what}: file {path!r} does not exist")
     module_name = f"tinyzero_custom_reward_{abs(hash(path))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward.custom_fn: cannot import {path!r} as a Python module")
+        raise ValueError(f"{what}: cannot import {path!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward.custom_fn: {path!r} has no function named {name!r}")
+        raise ValueError(f"{what}: {path!r} has no function named {name!r}")
     _CUSTOM_CACHE[spec] = fn
     return fn

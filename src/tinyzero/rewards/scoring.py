@@ -123,24 +123,32 @@ def read_message(stream):
 
 
 class _Worker:
-    """One scoring subprocess; answers one task list at a time (so a select() on its pipe is exact)."""
+    """One scoring subprocess; answers one task list at a time (so a select() on its pipe is exact).
+    Other worker kinds (tinyzero.agent.pool) change `module` (run with -m) and the names in errors."""
+
+    module = "tinyzero.rewards.scoring_worker"
+    kind = "a reward scoring worker"
+    loads = "its scorer"
 
     def __init__(self, settings: tuple, ready_timeout_s: float):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tinyzero.rewards.scoring_worker"],
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         write_message(self.proc.stdin, settings)
         # The worker answers once it has imported the scorers (and the user function): start-up is not
         # charged to the first sample's time limit.
         if not select.select([self.proc.stdout], [], [], ready_timeout_s)[0]:
             self.kill()
-            raise TimeoutError(f"a reward scoring worker did not start within {ready_timeout_s:.0f} s")
-        error = read_message(self.proc.stdout)
+            raise TimeoutError(f"{self.kind} did not start within {ready_timeout_s:.0f} s")
+        try:
+            error = read_message(self.proc.stdout)
+        except EOFError:
+            error = f"it exited with code {self.proc.wait()} while loading"
         if error is not None:
             self.kill()
-            raise ValueError(f"a reward scoring worker could not load its scorer: {error}")
+            raise ValueError(f"{self.kind} could not load {self.loads}: {error}")
         self.busy: tuple[int, int, float] | None = None  # (first task, end, when it was sent)
 
     def send(self, tasks: list, first: int) -> None:

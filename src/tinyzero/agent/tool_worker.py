@@ -1,0 +1,84 @@
+"""A tool worker process: `python -m tinyzero.agent.tool_worker`, started by ToolPool (pool.py).
+
+Reads (tool specs, memory limit in MiB, max characters) once from stdin, loads the tools, caps its
+own address space (RLIMIT_AS: what it uses now plus the limit), answers None (or the load error),
+then answers each (tool name, arguments) with ("ok", text) or ("error", message), as length-prefixed
+pickles on stdout. It imports neither torch nor the trainer: a tool that misbehaves harms only this
+process, which the pool kills and replaces.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import sys
+
+from tinyzero.rewards.scoring import read_message, write_message
+
+
+def address_space_bytes() -> int:
+    """This process's current virtual memory size (VmSize), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def limit_memory(memory_mb: int) -> None:
+    """RLIMIT_AS = current size + memory_mb MiB, so an allocation past it raises MemoryError."""
+    limit = address_space_bytes() + memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """`text` cut to max_chars characters with a marker saying how much was dropped."""
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]"
+
+
+def run_call(tools: dict, name: str, args: dict, max_chars: int) -> tuple[str, str]:
+    tool = tools.get(name)
+    if tool is None:
+        return "error", f"unknown tool {name!r}; available: {sorted(tools)}"
+    try:
+        out = tool.call(args)
+        text = out if isinstance(out, str) else str(out)
+        return "ok", truncate(text, max_chars)
+    except MemoryError:
+        return "error", "the tool ran out of memory (rollout.multi_turn.tool_memory_mb)"
+    except Exception as e:  # noqa: BLE001 - a tool's failure is the model's observation
+        return "error", truncate(f"{type(e).__name__}: {e}", max_chars)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # prints from tools must not corrupt the result pipe
+    specs, memory_mb, max_chars = read_message(stdin)
+    try:
+        from tinyzero.agent.tools import load_tool
+
+        tools = {}
+        for spec in specs:
+            tool = load_tool(spec)
+            tools[tool.name] = tool
+        limit_memory(memory_mb)
+        write_message(stdout, None)  # ready
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        write_message(stdout, f"{type(e).__name__}: {e}")
+        return
+    while True:
+        try:
+            name, args = read_message(stdin)
+        except EOFError:
+            return
+        write_message(stdout, run_call(tools, name, args, max_chars))
+
+
+if __name__ == "__main__":
+    main()
