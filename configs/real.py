@@ -1,15 +1,15 @@
-"""GRPO on a real pretrained model on 2 CPU ranks: SmolLM2-135M-Instruct learns two-digit addition.
+"""GRPO on a real pretrained model on 2 CPU ranks: SmolLM2-135M-Instruct learns to add numbers up to 20.
 
     python -m tinyzero.models.from_gguf --out runs/real/smollm2-135m-instruct     # once (fetches 93 MB)
     python -m tinyzero.configs.real --out runs/real/data                           # the task parquets
     torchrun --nproc_per_node 2 train.py --preset real_cpu
 
-The task: "What is a + b?" for a, b in 10..99, in SmolLM2's ChatML with the assistant's turn begun
+The task: "What is a + b?" for a, b in 1..20, in SmolLM2's ChatML with the assistant's turn begun
 as "a + b = " (pre-rendered like TinyZero's prompts, so data.apply_chat_template is off). The reply
 must begin with the sum followed by a space, a newline or the end of the turn ("68." does not
 count); the arithmetic rule scores 1.0 for the sum, 0.1 for another integer, 0 otherwise. Sampled
-at temperature 1 the model starts with about a third of its replies right; GRPO pulls it to
-answer the sum and stop.
+at temperature 1 the model starts with about 30% of its replies right (two-digit operands 10..99:
+about 5%); GRPO pulls it to answer the sum and stop.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tinyzero.configs.demo import demo_cpu
 from tinyzero.config import Config
 
 REAL_DIR = "runs/real"
+MAX_OPERAND = 20
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -32,12 +33,16 @@ def render_prompt(a: int, b: int) -> str:
 
 
 def task_rows(num_rows: int, seed: int, split: str, exclude: set | None = None) -> list[dict]:
-    """Distinct two-digit addition problems (none of `exclude`), scored in the arithmetic plain format."""
+    """Distinct problems a + b, a and b in 1..MAX_OPERAND (none of `exclude`), scored in the arithmetic
+    plain format."""
     from tinyzero.data.preprocess.common import make_row
 
     rng, seen, rows = random.Random(seed), set(exclude or ()), []
+    if num_rows + len(seen) > MAX_OPERAND**2:
+        raise ValueError(f"only {MAX_OPERAND**2} distinct problems; ask for fewer than {num_rows} rows "
+                         f"(plus {len(seen)} excluded)")
     while len(rows) < num_rows:
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(1, MAX_OPERAND), rng.randint(1, MAX_OPERAND)
         if (a, b) in seen:
             continue
         seen.add((a, b))
@@ -46,7 +51,7 @@ def task_rows(num_rows: int, seed: int, split: str, exclude: set | None = None) 
     return rows
 
 
-def write_data(out_dir: str, train_size: int = 512, test_size: int = 32, seed: int = 0) -> tuple[str, str]:
+def write_data(out_dir: str, train_size: int = 320, test_size: int = 32, seed: int = 0) -> tuple[str, str]:
     """out_dir/train.parquet and out_dir/test.parquet (disjoint problems); returns their paths."""
     from tinyzero.data.preprocess.common import write_splits
 
@@ -88,7 +93,7 @@ def real_cpu() -> Config:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=f"{REAL_DIR}/data", help="output folder for train.parquet / test.parquet")
-    p.add_argument("--train_size", type=int, default=512)
+    p.add_argument("--train_size", type=int, default=320)
     p.add_argument("--test_size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
