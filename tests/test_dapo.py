@@ -145,6 +145,11 @@ def test_dapo_config_checks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_config(cfg)
+    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
+    cfg.actor_rollout_ref.rollout.n = 1
+    cfg.algorithm.filter_groups = FilterGroupsConfig(enable=True)
+    with pytest.warns(UserWarning, match="filter_groups.enable=true with actor_rollout_ref.rollout.n=1"):
+        check_config(cfg)
 
 
 # ------------------------------------------------------------------ through train.py on 2 ranks

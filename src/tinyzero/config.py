@@ -225,6 +225,9 @@ def check_dapo(cfg: Config) -> None:
         raise ConfigError(f"reward.overlong_buffer.len={buffer.len} exceeds data.max_response_length="
                           f"{cfg.data.max_response_length}; set a buffer of at most the response length")
     fg = cfg.algorithm.filter_groups
+    if fg.enable and cfg.actor_rollout_ref.rollout.n == 1:
+        warnings.warn("algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n=1: a group of one sample "
+                      "is always kept, so nothing is filtered; set n >= 2", stacklevel=3)
     if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("algorithm.filter_groups.metric=seq_final_reward cannot see the in-reward KL (it needs the "
                           "log-prob passes, which run on the kept groups only); use metric=seq_reward, or "
