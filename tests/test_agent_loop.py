@@ -20,7 +20,7 @@ import torch
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 END = "<|im_end|>"
 SCRIPTS = {
-    "case-tool": ["Let me compute.\n" + CALL % "37*412" + END, "The answer is 15244." + END],
+    "case-tool": ["Let me compute.\n" + CALL % "37*412" + END, "The answer is <answer>15244</answer>." + END],
     "case-loop": ["again " + CALL % "1+1" + END] * 5,
     "case-long": ["x" * 1000],
     "case-malformed": ['<tool_call>{"name": "calculator", "arguments": {</tool_call>' + END, "Sorry." + END],
@@ -171,6 +171,17 @@ def test_loop_with_tools(tok):
     assert m["agent/turns/max"] == 3 and m["agent/tool_calls/total"] == 5 and m["agent/tool_errors/total"] == 2
     assert m["agent/stop_reason/eos"] == pytest.approx(4 / 6) and m["agent/stop_reason/budget"] == pytest.approx(1 / 6)
     assert m["agent/observation_tokens/mean"] > 0 and m["agent/tool_timeouts/total"] == 0
+    # The reward manager decodes the whole multi-turn response (observations included) and puts the
+    # score on the last token, a model token.
+    from tinyzero.rewards import RewardManager
+
+    out.non_tensor_batch["data_source"] = np.array(["arithmetic"] * 6, dtype=object)
+    out.non_tensor_batch["reward_model"] = np.array([{"style": "rule", "ground_truth": "15244"}] * 6, dtype=object)
+    scored = RewardManager(tok)(out)
+    assert scored.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    last = int(b["attention_mask"][0, -R:].sum()) - 1
+    assert scored.token_level_scores[0, last] == 1.0 and b["response_mask"][0, last] == 1
+    assert "tool\n15244\n" in scored.samples[0]["response"]  # the observation is part of the decoded text
 
 
 def test_stop_on_tool_error_and_budget(tok):

@@ -100,11 +100,13 @@ def _sample_text(i: int, task: tuple, world: int) -> str:
 
 
 def _response_lengths(data) -> torch.Tensor:
+    """Tokens of each response to decode and score: the attention mask's response span (a multi-turn
+    response holds observation tokens with response_mask 0 between the model's own), else response_mask."""
     responses = data.batch["responses"]
-    if "response_mask" in data.batch:
-        mask = data.batch["response_mask"]
-    elif "attention_mask" in data.batch:
+    if "attention_mask" in data.batch:
         mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+    elif "response_mask" in data.batch:
+        mask = data.batch["response_mask"]
     else:
         raise ValueError("RewardManager needs `response_mask` or `attention_mask` in the batch to find "
                          "the valid response tokens")
