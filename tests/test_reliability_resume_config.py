@@ -60,6 +60,8 @@ def test_safe_changes_pass_and_identical_configs_add_no_history(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]
     longer = _cfg(total_training_steps=50, save_freq=10, logger=["console"], experiment_name="more")
     longer.actor_rollout_ref.actor.optim.total_training_steps = 50  # derived from the run length
+    longer.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 1  # exact under any micro-batch split
+    longer.actor_rollout_ref.actor.fsdp_config.param_offload = True
     write_config(longer, run, saved_path=saved)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.1.yaml", "config.yaml"]
 

@@ -1,12 +1,12 @@
 """The run folder's config.yaml: refuse a resume whose config changes the training, keep the history.
 
-    write_config(cfg, run_dir, resuming=True)   # rank 0; raises ConfigError naming changed fields
+    write_config(cfg, run_dir, saved_path)   # rank 0; raises ConfigError naming the changed fields
 
 Resuming with another batch size, learning rate, seed or model gives a run that is neither the
 old one nor a new one, so a resume compares the new config with the saved one and refuses
-changes to anything but the settings listed in SAFE_TO_CHANGE (logging, validation, run length,
-checkpoint cadence, timeouts) unless `trainer.allow_config_change` names them (or says "all").
-An earlier config.yaml that differs is kept as config.<N>.yaml (N counting up); config.yaml is
+changes to anything but the settings in SAFE_TO_CHANGE / SAFE_SUFFIXES (logging, validation, run
+length, checkpoint cadence, timeouts, micro-batching, memory and offload settings) unless
+`trainer.allow_config_change` names them (or says "all"). An earlier config.yaml that differs is kept as config.<N>.yaml (N counting up); config.yaml is
 always the latest.
 """
 
@@ -31,9 +31,16 @@ SAFE_TO_CHANGE = {f"trainer.{name}" for name in (
     "hang_timeout_s", "save_on_signal", "signal_grace_s", "allow_config_change")} | {
     "data.val_files", "data.val_batch_size",
 }
-# Any field under these prefixes, or ending in these names (the schedule length follows the run length).
+# Any field under these prefixes, or ending in these names: the schedule length follows the run length;
+# micro-batching is exact under any split (workers/scaling.py); memory, offload, sharding and kernel
+# choices, worker counts and time limits change how the same math runs, not the math.
 SAFE_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.",)
-SAFE_SUFFIXES = (".optim.total_training_steps",)
+SAFE_SUFFIXES = (
+    ".optim.total_training_steps", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
+    ".enable_gradient_checkpointing", ".attn_implementation", ".gpu_memory_utilization", ".cpu_kv_cache_mb",
+    ".enforce_eager", ".free_cache_engine", ".native_compile", ".param_offload", ".optimizer_offload",
+    ".offload_policy", ".reshard_after_forward", ".fsdp_size", ".num_workers", "timeout_s", "trainer.device",
+)
 
 
 def _flatten(tree, prefix: str = "") -> dict:
