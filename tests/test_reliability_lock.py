@@ -82,3 +82,29 @@ def test_every_rank_learns_the_folder_is_busy(tmp_path):
         holder.release()
     assert all(f"pid {os.getpid()}" in r and "is in use by" in r for r in results), results
     assert run_distributed(_both_ranks_try, 2, str(tmp_path / "run"), timeout=120) == ["acquired", "acquired"]
+
+
+def test_without_flock_a_live_holder_still_refuses(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run = tmp_path / "run"
+    run.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / HOLDER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": sleeper.pid,
+                                                   "start_time": time.time()}))
+        with pytest.warns(UserWarning, match="does not support locks"), \
+                pytest.raises(RunFolderBusy, match=f"pid {sleeper.pid} "):
+            RunLock(str(run)).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with pytest.warns(UserWarning, match="is no longer running"):
+        lock = RunLock(str(run))
+        lock.acquire()
+    lock.release()

@@ -18,6 +18,7 @@ delete when that job is known to be gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -76,6 +77,7 @@ class RunLock:
 
         os.makedirs(self.run_dir, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        flocked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -84,6 +86,13 @@ class RunLock:
             who = _describe(holder) if holder else "another job (its record is being written)"
             raise RunFolderBusy(f"run folder {self.run_dir} is in use by {who}; wait for that job to end, stop "
                                 f"it, or pass another --trainer.default_local_dir") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.close(fd)
+                raise
+            warnings.warn(f"the file system of {self.run_dir} does not support locks ({e.strerror}): only the "
+                          f"holder record {self.holder_path} guards the folder", stacklevel=2)
+            flocked = False
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": time.time()}
         holder = _read_holder(self.holder_path)
         if holder is not None:
@@ -93,9 +102,13 @@ class RunLock:
                 os.close(fd)
                 raise RunFolderBusy(f"run folder {self.run_dir} was locked by {_describe(holder)}, which this host "
                                     f"cannot check; if that job is gone, delete {self.holder_path} and rerun")
+            alive = isinstance(pid, int) and _pid_alive(pid)
+            if alive and pid != me["pid"] and not flocked:
+                os.close(fd)
+                raise RunFolderBusy(f"run folder {self.run_dir} is in use by {_describe(holder)}; wait for that job "
+                                    "to end, stop it, or pass another --trainer.default_local_dir")
             if pid != me["pid"]:
-                state = "is no longer running" if not (isinstance(pid, int) and _pid_alive(pid)) else \
-                    "no longer holds the lock (its pid was reused)"
+                state = "is no longer running" if not alive else "no longer holds the lock (its pid was reused)"
                 warnings.warn(f"taking over the run folder lock of {_describe(holder)}, which {state}",
                               stacklevel=2)
         _atomic_write_text(self.holder_path, json.dumps(me))
@@ -107,7 +120,8 @@ class RunLock:
             return
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.holder_path)
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        with contextlib.suppress(OSError):  # closing the fd drops the lock anyway
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None
 
