@@ -119,6 +119,16 @@ def test_empty_and_non_parquet_data_files(tmp_path):
         validate_rl_parquet(str(tmp_path))
 
 
+def test_empty_sft_data_file_names_it(tmp_path, tiny_model_dir):
+    from tinyzero.data import SFTDataset
+    from tinyzero.models.loading import load_tokenizer
+
+    empty = tmp_path / "sft.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"data file '{empty}' is empty \\(0 bytes\\)"):
+        SFTDataset(str(empty), load_tokenizer(tiny_model_dir))
+
+
 @pytest.mark.parametrize("source,truth,field", [
     ("countdown", {"target": "24", "numbers": [1, 2]}, "countdown needs {'target': number"),
     ("countdown_3to4", {"target": 24, "numbers": [1.5, 2]}, "countdown 'numbers' must be a non-empty list of int"),

@@ -24,6 +24,7 @@ import torch
 
 from tinyzero.data.config import DataConfig
 from tinyzero.data.rl_dataset import compute_position_ids, pad_token_id_of, render_prompt
+from tinyzero.data.schema import open_parquet
 
 __all__ = ["SFTDataset", "PairwiseDataset", "right_pad"]
 
@@ -44,9 +45,7 @@ def right_pad(ids: list[int], mask: list[int], length: int, pad_id: int) -> dict
 def _read_rows(files: list[str], columns: list[str]) -> list[tuple[str, int, dict]]:
     out = []
     for path in files:
-        if not os.path.isfile(path):
-            raise ValueError(f"data file {path!r} does not exist")
-        names = pq.ParquetFile(path).schema_arrow.names
+        names = open_parquet(path).schema_arrow.names  # names a missing, empty or non-parquet file
         missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing} (found {names})")
