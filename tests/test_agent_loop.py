@@ -122,7 +122,10 @@ def tok(tiny_model_dir):
 
 def test_loop_with_tools(tok):
     keys = ["case-tool", "case-loop", "case-long", "case-malformed", "case-badexpr", "case-direct"]
+    from tinyzero.rollout import RolloutEngine
+
     agent = _agent(tok, tools=["calculator"], max_turns=3)
+    assert isinstance(agent, RolloutEngine)
     try:
         out = agent.generate_sequences(_prompts(tok, keys))
     finally:
@@ -220,7 +223,12 @@ def test_environment(tok, tmp_path):
     path = tmp_path / "env.py"
     path.write_text(textwrap.dedent(ENV_FILE))
     agent = _agent(tok, environment=f"{path}:Guess", max_turns=4)
-    out = agent.generate_sequences(_prompts(tok, ["case-env", "case-env"]))
+    prompts = _prompts(tok, ["case-env", "case-env"])
+    # An object array of lists, as the dataset's collate makes (the None keeps numpy from stacking them).
+    prompts.non_tensor_batch["raw_prompt_ids"] = np.array(
+        [ids[m.bool()].tolist() for ids, m in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"])]
+        + [None], dtype=object)[:2]
+    out = agent.generate_sequences(prompts)
     assert list(out.non_tensor_batch["stop_reason"]) == ["eos", "eos"]
     assert list(out.non_tensor_batch["env_reward"]) == [0.5, 0.5]
     turns = SCRIPTS["case-env"]
@@ -231,6 +239,8 @@ def test_environment(tok, tmp_path):
     prompt = out.batch["prompts"][1][out.batch["attention_mask"][1, :out.batch["prompts"].shape[1]].bool()]
     msgs = [{"role": "system", "content": "Game."}, {"role": "user", "content": "case-env again"}]
     assert tok.decode(prompt) == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert out.non_tensor_batch["raw_prompt_ids"][1] == prompt.tolist()
+    assert out.non_tensor_batch["raw_prompt_ids"][0] == prompts.non_tensor_batch["raw_prompt_ids"][0]
     assert torch.equal(out.batch["responses"][0], out.batch["responses"][1])
 
 

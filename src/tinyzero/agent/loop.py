@@ -138,6 +138,8 @@ class AgentRollout:
                 s.prompt = self.renderer.prompt_ids(messages)
                 s.prompt_pos = list(range(len(s.prompt)))
                 replaced = True
+                if "raw_prompt_ids" in non_tensors:  # keep the batch's unpadded prompt ids truthful
+                    non_tensors["raw_prompt_ids"][i] = list(s.prompt)
         return replaced
 
     def _generate_turn(self, active: list[_Sample], meta_info: dict, budget: int, turn: int) -> dict:
