@@ -34,6 +34,10 @@ class ObservationRenderer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        specials = set(getattr(tokenizer, "all_special_tokens", [])) | {t.content for t in decoder.values()
+                                                                         if getattr(t, "special", False)}
+        self._specials = sorted((t for t in specials if t), key=len, reverse=True)
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         if not self.has_template:
             return
@@ -68,8 +72,17 @@ class ObservationRenderer:
             raise ValueError(f"the chat template cannot render a conversation with roles {roles}: {e}; "
                              "multi-turn rollout needs tool / user turns after an assistant turn") from e
 
+    def defang(self, text: str) -> str:
+        """`text` without special-token strings: a tool's output cannot forge turns (an `<|im_end|>` in
+        it would otherwise be encoded as the real end-of-turn token)."""
+        for token in self._specials:
+            text = text.replace(token, "")
+        return text
+
     def observation_text(self, messages: list[dict], last_token: str | None) -> str:
-        """The text after a model turn that ended with `last_token` (its string; None: not a stop)."""
+        """The text after a model turn that ended with `last_token` (its string; None: not a stop).
+        Special-token strings inside the messages' contents are removed (see `defang`)."""
+        messages = [{**m, "content": self.defang(m["content"])} for m in messages]
         if not self.has_template:
             parts = [f"<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else m["content"]
                      for m in messages]

@@ -136,6 +136,10 @@ class AgentRollout:
             messages = s.env.reset(row)
             if messages:
                 s.prompt = self.renderer.prompt_ids(messages)
+                if len(s.prompt) > self.config.prompt_length:
+                    raise ValueError(f"rollout.multi_turn.environment: reset() of sample {i} gave a prompt of "
+                                     f"{len(s.prompt)} tokens, more than rollout.prompt_length="
+                                     f"{self.config.prompt_length}; raise rollout.prompt_length")
                 s.prompt_pos = list(range(len(s.prompt)))
                 replaced = True
                 if "raw_prompt_ids" in non_tensors:  # keep the batch's unpadded prompt ids truthful
