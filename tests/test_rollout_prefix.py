@@ -1,11 +1,12 @@
 """Prefix-shared rollout in the native engine: a prompt's n samples share one prefill.
 
-Checks, for the fused decoder and the HF decoder: greedy output equal to the unshared path
-(every row prefilled) and to HF generate token for token; sampled output with a fixed seed equal
-to the unshared path's (the same uniforms per row), log-probs against a float64 teacher-forced
-reference; decode batches split by max_num_seqs (groups split in sub-groups too) giving the same
-samples; the shared attention against a float64 loop; and the prefill work saved (tokens through
-the prefill, prompt cache size).
+Checks, for both modes (rollout.native_prefix_sharing "copy": the prefill's keys copied to the rows;
+"shared": a shared prompt block attended with per-row response blocks) and both decoders (fused, HF):
+greedy output equal to the unshared path ("off") and to HF generate token for token; sampled output
+with a fixed seed equal to the unshared path's ("copy" bit for bit, "shared" within fp32 rounding of a
+float64 teacher-forced reference); decode batches split by max_num_seqs (groups split in sub-groups
+too) giving the same samples; the shared attention against a float64 loop; the prefill work saved
+(tokens through the prefill, cache sizes); and SmolLM2-135M (real weights) against HF generate.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from tests.test_rollout_native import _engine, _hf_greedy, _prompt_batch, _rando
 from tinyzero.rollout.attention import shared_decode_attention
 from tinyzero.rollout.native import plan_chunks
 
-IMPLS = ["fused", "hf"]
+MODES = [("fused", "shared"), ("fused", "copy"), ("hf", "shared")]  # the HF decoder always copies
 
 
-def _run(model, batch, impl: str, share: bool, **cfg):
-    return _engine(model, impl, native_prefix_sharing=share, **cfg).generate_sequences(batch).batch
+def _run(model, batch, impl: str, mode: str, **cfg):
+    return _engine(model, impl, native_prefix_sharing=mode, **cfg).generate_sequences(batch).batch
+
+
+def _check_log_probs(mode: str, got: torch.Tensor, plain: torch.Tensor) -> None:
+    """"copy" decodes exactly as without sharing; "shared" splits the attention sums differently."""
+    if mode == "copy":
+        assert torch.equal(got, plain)
+    else:
+        diff = (got - plain).abs().max()
+        assert diff < 2e-5, float(diff)
 
 
 def _teacher_forced_log_probs(model, out, temperature: float) -> torch.Tensor:
@@ -36,33 +46,33 @@ def _teacher_forced_log_probs(model, out, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits[:, P - 1:-1] / temperature, -1).gather(-1, out["responses"][..., None])[..., 0]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_greedy_shared_equals_unshared_and_hf_generate(impl):
+@pytest.mark.parametrize("impl,mode", MODES)
+def test_greedy_shared_equals_unshared_and_hf_generate(impl, mode):
     model = _random_model()
     n = 3
     batch = _prompt_batch(4, 9, model.config.vocab_size, meta={"n": n})  # left padding 0, 3, 6, 0
-    shared = _run(model, batch, impl, True, response_length=20, do_sample=False)
-    plain = _run(model, batch, impl, False, response_length=20, do_sample=False)
+    shared = _run(model, batch, impl, mode, response_length=20, do_sample=False)
+    plain = _run(model, batch, impl, "off", response_length=20, do_sample=False)
     for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "prompts"):
         assert torch.equal(shared[key], plain[key]), key
     ref = _hf_greedy(model, batch, 20).repeat_interleave(n, 0)
     assert torch.equal(shared["responses"][:, : ref.shape[1]], ref)
     assert (shared["responses"][:, ref.shape[1]:] == 0).all()
-    diff = (shared["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max()
-    assert diff < 2e-5, float(diff)
+    _check_log_probs(mode, shared["rollout_log_probs"], plain["rollout_log_probs"])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_sampled_shared_same_samples_as_unshared(impl):
+@pytest.mark.parametrize("impl,mode", MODES)
+def test_sampled_shared_same_samples_as_unshared(impl, mode):
     """Same seed, same tokens as the unshared path (the sampler draws per row); log-probs within fp32
     rounding of a float64 teacher-forced forward (the shared path splits the attention sums in two)."""
     model = _random_model(std=0.15)
     n, T = 4, 0.8
     batch = _prompt_batch(3, 7, model.config.vocab_size, meta={"temperature": T, "seed": 11})
     cfg = dict(response_length=16, n=n, seed=5)
-    shared = _run(model, batch, impl, True, **cfg)
-    plain = _run(model, batch, impl, False, **cfg)
+    shared = _run(model, batch, impl, mode, **cfg)
+    plain = _run(model, batch, impl, "off", **cfg)
     assert torch.equal(shared["responses"], plain["responses"])
+    _check_log_probs(mode, shared["rollout_log_probs"], plain["rollout_log_probs"])
     assert torch.equal(shared["response_mask"], plain["response_mask"])
     r = shared["responses"]
     assert not all(torch.equal(r[n * i], r[n * i + 1]) for i in range(3))  # independent draws per row
@@ -73,18 +83,21 @@ def test_sampled_shared_same_samples_as_unshared(impl):
         assert err < 2e-5, float(err)
 
 
-@pytest.mark.parametrize("max_num_seqs", [5, 3])  # 5: not a multiple of n; 3: a group split into sub-groups
-def test_decode_batches_by_max_num_seqs_give_the_unshared_samples(max_num_seqs):
+@pytest.mark.parametrize("mode", ["shared", "copy"])
+@pytest.mark.parametrize("max_num_seqs", [8, 5, 3])  # 5: not a multiple of n; 3: a group split into sub-groups
+def test_decode_batches_by_max_num_seqs_give_the_unshared_samples(max_num_seqs, mode):
     """Decode batches of whole groups (or sub-groups) draw the uniforms the unshared path draws per
-    max_num_seqs rows, so the samples are the same."""
+    max_num_seqs rows, so the samples are the same. "copy" decodes bit for bit as "off" when the
+    batches coincide (max_num_seqs a multiple of n); otherwise batches of other sizes round differently."""
     model = _random_model(std=0.15)
     batch = _prompt_batch(3, 6, model.config.vocab_size)
-    cfg = dict(response_length=10, n=4, seed=2, max_num_seqs=max_num_seqs)
-    shared = _run(model, batch, "fused", True, **cfg)
-    plain = _run(model, batch, "fused", False, **cfg)
+    n = 4
+    cfg = dict(response_length=10, n=n, seed=2, max_num_seqs=max_num_seqs)
+    shared = _run(model, batch, "fused", mode, **cfg)
+    plain = _run(model, batch, "fused", "off", **cfg)
     assert torch.equal(shared["responses"], plain["responses"])
-    diff = (shared["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max()
-    assert diff < 2e-5, float(diff)
+    _check_log_probs(mode if max_num_seqs % n == 0 else "shared", shared["rollout_log_probs"],
+                     plain["rollout_log_probs"])
 
 
 def test_plan_chunks():
@@ -122,25 +135,26 @@ def test_shared_decode_attention_matches_float64_loop(dtype, tol):
 
 
 def test_prefill_runs_each_prompt_once():
-    """Prefill FLOPs: the shared path pushes B*P prompt tokens through the model instead of B*n*P, and its
-    prompt cache holds B prompts, not B*n rows."""
+    """Prefill FLOPs: both sharing modes push B*P prompt tokens through the model instead of B*n*P; the
+    "shared" prompt cache holds B prompts (and a response block per row), "copy" and "off" B*n rows."""
     model = _random_model()
     n, B, P, R = 4, 3, 8, 6
     batch = _prompt_batch(B, P, model.config.vocab_size, meta={"n": n})
     counts = {}
-    for share in (True, False):
-        engine = _engine(model, "fused", response_length=R, do_sample=False, native_prefix_sharing=share)
+    for mode in ("shared", "copy", "off"):
+        engine = _engine(model, "fused", response_length=R, do_sample=False, native_prefix_sharing=mode)
         seen = []
         engine.decoder = _Counting(engine.decoder, seen)
         engine.generate_sequences(batch)
-        counts[share] = sum(seen)
+        counts[mode] = sum(seen)
         dec = engine.decoder.inner
-        if share:
+        if mode == "shared":
             assert dec.caches[0].k_cache.shape[0] == B and dec.caches[0].max_len == P
             assert tuple(dec.group_caches[0].k_cache.shape[:3]) == (B, model.config.num_key_value_heads, n)
         else:
-            assert dec.caches[0].k_cache.shape[0] == B * n and not dec.group_caches
-    assert counts == {True: B * P, False: B * n * P}
+            assert dec.caches[0].k_cache.shape[0] == B * n and dec.caches[0].max_len == P + R
+            assert not dec.group_caches
+    assert counts == {"shared": B * P, "copy": B * P, "off": B * n * P}
 
 
 class _Counting:
@@ -161,7 +175,8 @@ class _Counting:
 @pytest.mark.slow
 def test_real_model_shared_greedy_equals_hf_generate(smollm2_path):
     """SmolLM2-135M-Instruct (real weights, 3 kv heads of 64): chat prompts of different lengths, n=3 rows
-    each decoded against one prefill, equal HF generate token for token."""
+    each decoded against one prefill: greedy ("shared") equal to HF generate token for token; sampled
+    ("copy") equal to the unshared path bit for bit (tokens and log-probs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tinyzero.protocol import DataProto
@@ -174,11 +189,11 @@ def test_real_model_shared_greedy_equals_hf_generate(smollm2_path):
              for q in questions]
     enc = tok(texts, return_tensors="pt", padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]
-    n, R = 3, 16
+    n, R = 3, 12
     batch = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
                                 meta_info={"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
-    engine = build_rollout(RolloutConfig(response_length=R, n=n, do_sample=False, native_impl="fused"), smollm2_path,
-                           device="cpu", load_weights=True)
+    engine = build_rollout(RolloutConfig(response_length=R, n=n, do_sample=False, native_impl="fused",
+                                         native_prefix_sharing="shared"), smollm2_path, device="cpu", load_weights=True)
     got = engine.generate_sequences(batch).batch["responses"]
     assert engine.decoder.group_caches and engine.decoder.caches[0].k_cache.shape[0] == len(questions)
     with torch.no_grad():
@@ -187,3 +202,9 @@ def test_real_model_shared_greedy_equals_hf_generate(smollm2_path):
     ref = ref.repeat_interleave(n, 0)
     assert torch.equal(got[:, : ref.shape[1]], ref), (tok.batch_decode(got), tok.batch_decode(ref))
     assert "Paris" in tok.decode(got[0], skip_special_tokens=True)
+    sampled = {}
+    for mode in ("copy", "off"):
+        cfg = RolloutConfig(response_length=R, n=n, seed=4, native_impl="fused", native_prefix_sharing=mode)
+        sampled[mode] = build_rollout(cfg, smollm2_path, device="cpu", load_weights=True).generate_sequences(batch).batch
+    for key in ("responses", "rollout_log_probs"):
+        assert torch.equal(sampled["copy"][key], sampled["off"][key]), key

@@ -9,6 +9,7 @@ from tinyzero.rollout.engine import check_sampling, engine_names, resolve_auto
 
 DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 NATIVE_IMPLS = ("auto", "fused", "hf")
+PREFIX_SHARING = ("auto", "shared", "copy", "off")
 
 
 @dataclass
@@ -99,14 +100,33 @@ class RolloutConfig:
     Greedy output is unchanged (== HF generate); sampling draws the same uniforms, so the same seed
     gives the same tokens unless compiled logits, which may differ from eager in the last bits, flip
     a near-tie."""
-    native_prefix_sharing: bool = True
-    """Native engine: prefill each prompt once for its n samples and decode them against its shared
-    keys and values (the fused decoder keeps one prompt block per prompt plus a response block per row;
-    the HF decoder copies the prefilled cache to the rows). False prefills every row (n copies of each
-    prompt). Both draw the same uniforms per row. The HF decoder's logits are bit-identical either way;
-    the fused decoder's differ in the last bits (a prompt's scores are one matmul for all its rows), so
-    greedy output is unchanged but a sampled token can flip where its uniform lies within rounding of a
-    CDF boundary (SmolLM2-135M, T=1: 1 of 512 tokens), as with native_compile."""
+    native_prefix_sharing: str = "auto"
+    """Native engine, n > 1: each prompt is prefilled once for its n samples (3/4 of the prefill FLOPs
+    at n=4). "copy": the prefill's keys and values are copied to the prompt's rows, and decoding is
+    what it is without sharing: the same logits bit for bit on CPU, so the same samples per seed as
+    "off" (when rows are split into decode batches, with max_num_seqs a multiple of n). "shared" (fused decoder): one prompt block per prompt plus a response block per row, attended
+    together, so the cache holds prompts*P + rows*R slots instead of rows*(P+R) and a step reads a
+    prompt's keys once for its rows; its logits differ from "off" in the last bits (a prompt's scores
+    are one matmul for all its rows), so greedy output is the same but a sampled token can flip where
+    its uniform lies within rounding of a CDF boundary (SmolLM2-135M, T=1: one flip in ~500 draws), as with
+    native_compile. The HF decoder always copies. "off": every row prefills its own copy of the prompt.
+    "auto": "copy" on CPU, "shared" on GPU (where the KV cache bounds the batch)."""
+    server_urls: list[str] = field(default_factory=list)
+    """rollout.name=remote: base URLs of the OpenAI-compatible generation servers (vLLM serve), e.g.
+    '[http://gen0:8000,http://gen1:8000]'; each request goes to the one with the fewest in flight."""
+    remote_weights_dir: str = ""
+    """rollout.name=remote with remote_weight_sync=vllm: a folder the trainer and every server see at
+    this same path; each weight sync writes a safetensors snapshot there (the newest one is kept)."""
+    remote_weight_sync: str = "vllm"
+    """rollout.name=remote: how weights reach the servers: "vllm" (snapshot + /collective_rpc
+    reload_weights; servers run with VLLM_SERVER_DEV_MODE=1) or "none" (servers keep their weights)."""
+    remote_timeout_s: float = 300.0
+    """rollout.name=remote: seconds one HTTP read may wait (a whole response is one read for vLLM)."""
+    remote_max_retries: int = 4
+    """rollout.name=remote: retries of a request after a transient failure (connection refused / reset,
+    timeout, HTTP 5xx / 408 / 429), with exponential backoff from 0.25 s, before the rollout fails."""
+    remote_max_concurrency: int = 64
+    """rollout.name=remote: most requests in flight at once from this rank (one request per prompt)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -145,8 +165,27 @@ class RolloutConfig:
             raise ValueError("rollout.log_prob_micro_batch_size_per_gpu must be >= 1")
         if self.log_prob_max_token_len_per_gpu < 1:
             raise ValueError("rollout.log_prob_max_token_len_per_gpu must be >= 1 (e.g. 16384)")
+        if self.native_prefix_sharing not in PREFIX_SHARING:
+            raise ValueError(f"rollout.native_prefix_sharing={self.native_prefix_sharing!r} is not one of "
+                             f"{PREFIX_SHARING}")
         if self.native_impl not in NATIVE_IMPLS:
             raise ValueError(f"rollout.native_impl={self.native_impl!r} is not one of {NATIVE_IMPLS}")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        if self.name == "remote" and not self.server_urls:
+            raise ValueError("rollout.name=remote needs rollout.server_urls, e.g. '[http://127.0.0.1:8000]'")
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"rollout.server_urls {bad} must start with http:// or https://")
+        if self.remote_weight_sync not in ("vllm", "none"):
+            raise ValueError(f"rollout.remote_weight_sync={self.remote_weight_sync!r} is not one of ('vllm', 'none')")
+        if self.name == "remote" and self.remote_weight_sync == "vllm" and not self.remote_weights_dir:
+            raise ValueError("rollout.name=remote syncs weights through rollout.remote_weights_dir (a folder the "
+                             "servers see); set it, or rollout.remote_weight_sync=none to keep the servers' weights")
+        if self.remote_timeout_s <= 0 or self.remote_max_retries < 0 or self.remote_max_concurrency < 1:
+            raise ValueError("rollout.remote_timeout_s must be > 0, rollout.remote_max_retries >= 0 and "
+                             "rollout.remote_max_concurrency >= 1")
 
     @property
     def max_model_len(self) -> int:

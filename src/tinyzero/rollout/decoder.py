@@ -20,13 +20,15 @@ Two implementations behind one call, `decoder(input_ids, position_ids, key_valid
 * `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
 Prefix sharing (group_size g > 1, rollout.native_prefix_sharing): the prefill runs on the distinct
-prompts only and each prompt is decoded as g rows. The fused decoder keeps one prompt block per
-prompt (a (prompts, P) `KVCache`) and one response block per row (a `GroupKVCache`, (rows, R)), and
-a decode step attends to both with one softmax (attention.shared_decode_attention): the prompt's
-keys are read once per step for its g rows, and the cache holds prompts*P + rows*R slots instead
-of rows*(P+R). At the GRPO shape (8 prompts x 4 samples, 96-token prompts, 64 new tokens) that saves
-3/4 of the prefill FLOPs and 45% of the cache. The HF decoder prefills once and copies the
-prompt cache to the rows by index (the prefill saving only).
+prompts only and each prompt is decoded as g rows. "copy": the prefill's keys and values are written
+to the caches of the prompt's g rows and decoding is as without sharing (bit for bit on CPU: the
+prefill's row-wise matmuls give each prompt the values it gets when repeated, and lm_head runs on
+the rows). "shared" (fused decoder): one prompt block per prompt (a (prompts, P) `KVCache`) and one
+response block per row (a `GroupKVCache`, (rows, R)), attended with one softmax
+(attention.shared_decode_attention): a step reads a prompt's keys once for its g rows, and the cache
+holds prompts*P + rows*R slots instead of rows*(P+R). At the GRPO shape (8 prompts x 4 samples,
+96-token prompts, 64 new tokens) sharing saves 3/4 of the prefill FLOPs, and "shared" 45% of the
+cache. The HF decoder always copies (its cache expanded by index after the prefill).
 
 Measured on CPU (bench/rollout.py: tiny model, batch 64, 128 new tokens, sampling, 1 thread) the
 native engine with the fused decoder generates 3.6x faster than HF generate (wall and CPU time) and
@@ -173,6 +175,7 @@ class FusedDecoder:
         self.caches: list[KVCache] = []  # per layer: every row's [prompt, response], or (shared) each prompt once
         self.group_caches: list[GroupKVCache] = []  # per layer, with prefix sharing: each row's response
         self.group_size = 1  # rows decoded per prefilled sequence (reset)
+        self.shared_kv = False  # group_size > 1 with a shared prompt block (else rows hold copies)
         self.prompt_len = 0  # P of the current batch (reset)
         self.cos_table = self.sin_table = None  # (max_len, D): rope for every position, built in reset()
         self.key_bias = None  # (B * kv_heads, 1, P+R), shared: (Bp * kv_heads, 1, P) additive mask, begin()
@@ -221,18 +224,22 @@ class FusedDecoder:
             views += [(a.o_proj, f["o_wt"]), (m.down_proj, f["down_wt"])]
         return all(view is None or module.weight.data_ptr() == view.data_ptr() for module, view in views)
 
-    def reset(self, num_prompts: int, prompt_len: int, response_len: int, group_size: int = 1) -> None:
+    def reset(self, num_prompts: int, prompt_len: int, response_len: int, group_size: int = 1,
+              shared_kv: bool = True) -> None:
         """Allocate (or reuse) the per-layer caches for a new batch of `num_prompts` left-padded prompts of
         `prompt_len` tokens, each decoded as `group_size` rows of up to `response_len` tokens. group_size 1:
-        one cache of prompt_len + response_len slots per row. group_size > 1 (prefix sharing): one cache of
-        prompt_len slots per prompt, filled by a single prefill, plus a response cache per row."""
+        one cache of prompt_len + response_len slots per row. group_size > 1 (prefix sharing), shared_kv:
+        one cache of prompt_len slots per prompt plus a response cache per row; not shared_kv: one cache
+        per row as for group_size 1, the prefill's keys and values copied to the rows of their prompt."""
         if not self._fusion_intact():  # e.g. model.to(device) gave every parameter its own storage
             self._fuse()
         p = self.embed.weight
-        shared = group_size > 1
+        shared = group_size > 1 and shared_kv
         max_len = prompt_len + response_len
-        self.group_size, self.prompt_len = group_size, prompt_len
+        self.group_size, self.prompt_len, self.shared_kv = group_size, prompt_len, shared
         cache_len = prompt_len if shared else max_len
+        if group_size > 1 and not shared:
+            num_prompts *= group_size  # one cache entry per row
 
         def fits(c: torch.Tensor, shape: tuple[int, ...], len_dim: int) -> bool:
             return c.shape[:len_dim] == shape[:len_dim] and c.shape[len_dim] >= shape[len_dim] \
@@ -275,7 +282,7 @@ class FusedDecoder:
         first row of each prompt (the response slots all hold real tokens). And, given the positions
         (B, R) the decode steps will be fed (as views `decode_positions[:, t:t+1]`), the rope factors
         of every step, gathered once instead of per step. key_valid: (B, P+R) per row."""
-        if self.group_size > 1:
+        if self.shared_kv:
             key_valid = key_valid[:: self.group_size, : self.prompt_len]
         bias = torch.zeros(key_valid.shape, dtype=self.embed.weight.dtype, device=key_valid.device)
         bias.masked_fill_(~key_valid, float("-inf"))
@@ -311,7 +318,13 @@ class FusedDecoder:
         qk = apply_rope(qk.transpose(1, 2), cos[:, None], sin[:, None])  # (B, H + KV, T, D): q and k heads at once
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, :, H + KV:].transpose(1, 2)  # (B, KV, T, D)
-        k_t, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv, D, S), (B, kv, S, D)
+        g = self.group_size
+        if g > 1 and not self.shared_kv:  # prefix sharing by copy: rows i*g .. i*g+g-1 get prompt i's keys
+            cache = self.caches[layer_idx]
+            cache.update(start, k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0))
+            k_t, v_all = cache.k_cache[::g, ..., : start + T], cache.v_cache[::g, :, : start + T]
+        else:
+            k_t, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv, D, S), (B, kv, S, D)
         scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
         out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
@@ -427,9 +440,10 @@ class FusedDecoder:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
                  start: int) -> torch.Tensor:
-        """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position."""
+        """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position; a prefill with
+        group_size > 1 returns (B * group_size, V), the logits of every row."""
         cos, sin = self._rope(position_ids)  # (B, T, D) each
-        if input_ids.shape[1] == 1 and self.group_size > 1:  # decode with prefix sharing
+        if input_ids.shape[1] == 1 and self.shared_kv:  # decode against a shared prompt block
             if self.key_bias is None:
                 self.begin(key_valid)
             return self._run_decode(input_ids.view(-1), cos, sin, self.key_bias, self.slot_ids[: key_valid.shape[1]])
@@ -445,7 +459,10 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, mask, start)
             x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
-        return _linear(self.lm_head, rms_norm(self.norm, x[:, -1])).float()
+        h = x[:, -1]
+        if self.group_size > 1:  # one row per sample: lm_head then runs on the shape it has without sharing
+            h = h.repeat_interleave(self.group_size, dim=0)  # (small-M matmuls round differently per M)
+        return _linear(self.lm_head, rms_norm(self.norm, h)).float()
 
 
 class HFDecoder:
@@ -459,7 +476,9 @@ class HFDecoder:
         self.group_size = 1
         self._expanded = True
 
-    def reset(self, num_prompts: int, prompt_len: int, response_len: int, group_size: int = 1) -> None:
+    def reset(self, num_prompts: int, prompt_len: int, response_len: int, group_size: int = 1,
+              shared_kv: bool = False) -> None:
+        """A fresh cache; group_size > 1 expands it by index after the prefill (shared_kv is ignored)."""
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)

@@ -73,8 +73,8 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         uniforms = None
     elif uniforms is None:
         uniforms = draw_uniforms((R, B), generator, device)
-    logits = prefill(decoder, prompt_ids, prompt_pos, key_valid[:: group_size])  # (B / g, V)
-    if group_size > 1:
+    logits = prefill(decoder, prompt_ids, prompt_pos, key_valid[:: group_size])  # (B / g, V) or (B, V)
+    if logits.shape[0] != B:
         logits = logits.repeat_interleave(group_size, dim=0)  # (B, V): a prompt's rows share its first logits
     steps = R
     for t in range(R):

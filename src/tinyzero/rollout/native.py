@@ -95,6 +95,16 @@ class NativeRollout:
             torch.cuda.synchronize(self.device)
         return count
 
+    @torch.no_grad()
+    def update_lora(self, named_tensors, scaling: float) -> int:
+        """Merge LoRA adapter pairs (`<layer>.lora_A.weight`, `.lora_B.weight`) into the inference copy:
+        W = W_base + scaling * B @ A, from base weights kept once (tinyzero.models.lora.AdapterMerger)."""
+        from tinyzero.models.lora import AdapterMerger
+
+        if getattr(self, "_lora_merger", None) is None:
+            self._lora_merger = AdapterMerger(self.model)
+        return self.update_weights(self._lora_merger.merged(named_tensors, scaling))
+
     def sleep(self) -> None:
         """On GPU: free the KV cache and move the weights to host memory. No-op on CPU."""
         if self.device.type != "cuda":
@@ -132,7 +142,10 @@ class NativeRollout:
         n, R = params.n, params.response_length
         rows = len(prompts) * n
         # Prefix sharing: generate() gets the distinct prompts and decodes n rows of each.
-        group = n if self.config.native_prefix_sharing else 1
+        mode = self.config.native_prefix_sharing
+        if mode == "auto":
+            mode = "shared" if self.device.type == "cuda" else "copy"
+        group = 1 if mode == "off" else n
         src = prompts.batch if group > 1 else dict(zip(PROMPT_KEYS, repeat_prompts(prompts, n)))
         ids, mask, pos = (src[k].to(self.device) for k in PROMPT_KEYS)
         generator = make_generator(self.device, params.seed)
@@ -143,7 +156,7 @@ class NativeRollout:
         sync_every = 16 if self.device.type == "cuda" else 4
         parts = []
         for p0, p1, g, r0 in plan_chunks(ids.shape[0], group, chunk):
-            self.decoder.reset(p1 - p0, ids.shape[1], R, g)
+            self.decoder.reset(p1 - p0, ids.shape[1], R, g, shared_kv=mode == "shared")
             u = None if uniforms is None else uniforms[:, r0:r0 + (p1 - p0) * g]
             parts.append(generate(self.decoder, ids[p0:p1], mask[p0:p1], pos[p0:p1], params, None, sync_every,
                                   group_size=g, uniforms=u))
