@@ -24,14 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def hf_name(name: str) -> str:
-    """Strip wrapper prefixes (activation checkpointing, torch.compile, FSDP1) from a parameter name."""
-    for p in _PREFIXES:
-        name = name.replace(p, "")
-    return name
+from tinyzero.rollout.weight_sync import clean_param_name
 
 
 def iter_export_tensors(model: nn.Module, dtype: torch.dtype | None = None):
@@ -52,7 +45,7 @@ def iter_export_tensors(model: nn.Module, dtype: torch.dtype | None = None):
         full = full.detach()
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
-        yield hf_name(name), full.to("cpu", copy=True).contiguous()
+        yield clean_param_name(name), full.to("cpu", copy=True).contiguous()
 
 
 def _rank(group) -> int:
