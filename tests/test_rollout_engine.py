@@ -71,7 +71,8 @@ def test_registry_builds_a_new_engine_by_name(tiny_model_dir):
         return _EchoEngine(config)
 
     try:
-        assert engine_names() == ("auto", "native", "vllm", "echo")
+        names = engine_names()
+        assert names[:3] == ("auto", "native", "vllm") and "echo" in names
         engine = build_rollout(RolloutConfig(name="echo", n=2, response_length=3), tiny_model_dir, device="cpu")
         assert isinstance(engine, RolloutEngine)
         ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
@@ -84,7 +85,7 @@ def test_registry_builds_a_new_engine_by_name(tiny_model_dir):
             register_engine("echo")(_build)
     finally:
         ENGINES.pop("echo", None)
-    with pytest.raises(ValueError, match=r"rollout.name='echo' is not one of \('auto', 'native', 'vllm'\)"):
+    with pytest.raises(ValueError, match=r"rollout.name='echo' is not one of \('auto', 'native', 'vllm'"):
         RolloutConfig(name="echo")
 
 
