@@ -75,7 +75,7 @@ def real_cpu() -> Config:
 
     arr = cfg.actor_rollout_ref
     arr.model.path = f"{REAL_DIR}/smollm2-135m-instruct"
-    arr.actor.optim.lr = 1e-5
+    arr.actor.optim.lr = 2e-5
     arr.actor.ppo_mini_batch_size = 8
     arr.rollout.n = 4
     arr.rollout.log_prob_micro_batch_size_per_gpu = 16
