@@ -34,8 +34,28 @@ class ModelConfig:
     """Packed training passes that also compute each group's shared prompt once: the n responses of a
     prompt are packed as [prompt, response_1 .. response_n], each seeing the prompt and itself only.
     Exact (same loss and gradients); implies use_remove_padding."""
+    lora_rank: int = 0
+    """LoRA rank of the actor's adapters; 0 trains all weights. With LoRA the base weights are frozen, only
+    the adapters (kept fp32) get gradients and optimizer state, the reference policy is the base with the
+    adapters disabled (no second copy), and weight sync and checkpoints carry the adapters only."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: a layer computes W x + (lora_alpha / lora_rank) B A x."""
+    target_modules: str | list[str] = "all-linear"
+    """Layers that get adapters: "all-linear" (every linear layer but the output head, as PEFT) or a list of
+    module names matched by their last parts (e.g. ["q_proj", "v_proj"])."""
+    lora_export_merged: bool = False
+    """With LoRA, the HF export also writes the merged model (W + scale * B A) to `<export>/merged`."""
 
     def __post_init__(self):
+        if self.lora_rank < 0:
+            raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0 (0 turns LoRA off)")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ValueError(f"model.lora_alpha={self.lora_alpha} must be > 0 (e.g. 16, or 2 * lora_rank)")
+        targets = self.target_modules
+        if not (targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
+                                            and all(isinstance(t, str) and t for t in targets))):
+            raise ValueError(f"model.target_modules={targets!r}: use 'all-linear' or a non-empty list of "
+                             "module names such as ['q_proj', 'v_proj']")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"model.dtype={self.dtype!r} is not one of {DTYPE_NAMES}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:

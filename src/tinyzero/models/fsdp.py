@@ -34,13 +34,19 @@ from tinyzero.models.loading import check_model_path, load_model, pick_dtype
 _KINDS = ("causal_lm", "value", "reward")
 
 
-def make_fsdp_mesh(fsdp_config: FSDPConfig, device_type: str, world_size: int | None = None) -> DeviceMesh:
-    """Mesh over the whole world: 1-D ("fsdp",) or 2-D ("replicate", "shard") when fsdp_size < world."""
-    world_size = world_size or dist.get_world_size()
+def fsdp_mesh_layout(fsdp_config: FSDPConfig, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, axis names) of an FSDP2 mesh over world_size ranks: 1-D ("fsdp",), or 2-D ("replicate", "shard")
+    when fsdp_size < world."""
     replicate, shard = fsdp_config.mesh_shape(world_size)
     if replicate == 1:
-        return init_device_mesh(device_type, (shard,), mesh_dim_names=("fsdp",))
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+        return (shard,), ("fsdp",)
+    return (replicate, shard), ("replicate", "shard")
+
+
+def make_fsdp_mesh(fsdp_config: FSDPConfig, device_type: str, world_size: int | None = None) -> DeviceMesh:
+    """Mesh over the whole world (fsdp_mesh_layout); a worker builds the same over its pool (workers.common)."""
+    shape, names = fsdp_mesh_layout(fsdp_config, world_size or dist.get_world_size())
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -122,7 +128,15 @@ def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.
     kwargs = dict(dtype=dtype, device=device, attn_implementation=attn,
                   trust_remote_code=model_config.trust_remote_code, override_config=model_config.override_config)
     if kind == "causal_lm":
-        return load_model(path, "causal_lm", **kwargs)
+        model = load_model(path, "causal_lm", **kwargs)
+        if model_config.lora_rank:  # before fully_shard, so adapters shard with their layers
+            from tinyzero.models.lora import LoraSpec, apply_lora
+
+            apply_lora(model, LoraSpec.from_model_config(model_config), init=torch.device(device).type != "meta")
+        return model
+    if model_config.lora_rank:
+        raise ValueError(f"model.lora_rank={model_config.lora_rank} applies to the actor only; set it to 0 "
+                         f"for the {kind} model")
     from tinyzero.models.value import load_reward_model, load_value_model
 
     return (load_value_model if kind == "value" else load_reward_model)(path, **kwargs)

@@ -68,17 +68,20 @@ def named_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return out
 
 
-def iter_full_params(model: nn.Module, bucket_bytes: int = 512 << 20,
-                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(model: nn.Module, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
+                     include=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every state-dict entry, gathering `bucket_bytes` at a time.
 
     Tied names share one gathered tensor. dtype: cast the gathered tensors (e.g. bf16 for a bf16
-    engine) to halve what a bucket holds."""
+    engine) to halve what a bucket holds. include: a predicate on the first name; only the tensors
+    it accepts are gathered (e.g. LoRA adapters only)."""
     if bucket_bytes < 1:
         raise ValueError("bucket_bytes must be >= 1 (rollout.weight_sync_bucket_mb sets it)")
     bucket: list[tuple[list[str], torch.Tensor]] = []
     size = 0
     for names, t in named_tensors(model):
+        if include is not None and not include(names[0]):
+            continue
         nbytes = _full_nbytes(t)
         if bucket and size + nbytes > bucket_bytes:
             yield from _emit(bucket, dtype)

@@ -14,7 +14,7 @@ Protocol (every rank calls these in the same order, SPMD):
 
     mgr = CheckpointManager(root, keep_last=3)
     tmp = mgr.begin_save(step)                       # <root>/global_step_N.tmp-XXXX, same on all ranks
-    save_state(os.path.join(tmp, "actor"), model, optim, sched, process_group=actor_group)
+    save_state(os.path.join(tmp, "actor"), model, optim, sched, process_group=actor_group)  # models.role_state
     save_rng_state(tmp); save_trainer_state(tmp, {...})
     mgr.finalize(step, tmp)                          # fsync, COMPLETE.json, rename, prune
 
@@ -43,6 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinyzero.fileio import atomic_write_text as _atomic_write_text
+from tinyzero.fileio import fsync_path as _fsync_path
+
 MARKER = "COMPLETE.json"
 TRAINER_STATE = "trainer_state.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -58,24 +61,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
 
 
 def _sha256(path: str, chunk: int = 1 << 22) -> str:
@@ -375,85 +360,6 @@ class CheckpointManager:
         valid = [(s, p) for s, p in self.checkpoints() if os.path.isfile(os.path.join(p, MARKER))]
         for _, path in valid[self.keep_last:]:
             shutil.rmtree(path, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------- model / optimizer (DCP)
-
-
-def save_state(
-    role_dir: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    lr_scheduler=None,
-    process_group: dist.ProcessGroup | None = None,
-    extra: dict | None = None,
-) -> None:
-    """Sharded save of model (+ optimizer) into `role_dir` by every rank of `process_group`.
-
-    lr scheduler state and `extra` (JSON) are written once, by the group's first rank.
-    """
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    os.makedirs(role_dir, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
-    use_dist = dist.is_initialized()
-    dcp_save(state, storage_writer=FileSystemWriter(role_dir, sync_files=True),
-             process_group=process_group, no_dist=not use_dist)
-    group_rank = dist.get_rank(process_group) if use_dist else 0
-    if group_rank == 0:
-        if lr_scheduler is not None:
-            torch.save(lr_scheduler.state_dict(), os.path.join(role_dir, "lr_scheduler.pt"))
-        if extra is not None:
-            _atomic_write_text(os.path.join(role_dir, "extra_state.json"), json.dumps(extra))
-
-
-def load_state(
-    role_dir: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    lr_scheduler=None,
-    process_group: dist.ProcessGroup | None = None,
-) -> dict | None:
-    """Load what `save_state` wrote into the (already sharded, any world size) model / optimizer.
-
-    Returns the `extra` dict, or None if none was saved.
-    """
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from tinyzero.trainer.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
-
-    if not os.path.isfile(os.path.join(role_dir, ".metadata")):
-        raise ValueError(f"{role_dir!r} holds no DCP checkpoint (.metadata missing)")
-    # Read (restricted) before DCP does, so a crafted or corrupt .metadata fails here in one clear line.
-    saved_keys = SafeFileSystemReader(role_dir).read_metadata().state_dict_metadata
-    if optimizer is not None:
-        if not any(k.startswith("optim.") for k in saved_keys):
-            raise ValueError(f"{role_dir!r} was saved without optimizer state; load it with optimizer=None "
-                             "(the optimizer then starts fresh)")
-    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
-    dcp_load(state, storage_reader=SafeFileSystemReader(role_dir), planner=SafeLoadPlanner(),
-             process_group=process_group, no_dist=not dist.is_initialized())
-    set_state_dict(model, [optimizer] if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
-    if lr_scheduler is not None:
-        path = os.path.join(role_dir, "lr_scheduler.pt")
-        if not os.path.isfile(path):
-            raise ValueError(f"{role_dir!r} has no lr_scheduler.pt but a scheduler was given")
-        lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
-    extra_path = os.path.join(role_dir, "extra_state.json")
-    if os.path.isfile(extra_path):
-        with open(extra_path) as f:
-            return json.load(f)
-    return None
 
 
 # ---------------------------------------------------------------------- RNG + trainer state

@@ -31,6 +31,7 @@ from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
 from tinyzero.workers.actor import PPOActor
 from tinyzero.workers.common import (
+    base_only,
     fsdp_mesh,
     masked_mean_over_group,
     offload_after_init,
@@ -95,6 +96,8 @@ class ActorRolloutRefWorker(Worker):
         model_config = self.config.model
         if not trainable and model_config.enable_gradient_checkpointing:
             model_config = dataclasses.replace(model_config, enable_gradient_checkpointing=False)
+        if not trainable and model_config.lora_rank:  # a reference on its own pool: the base model
+            model_config = dataclasses.replace(model_config, lora_rank=0)
         model = load_sharded_model(model_config, fsdp_config, fsdp_mesh(self, fsdp_config), kind="causal_lm")
         if not trainable:
             model.requires_grad_(False)
@@ -119,7 +122,12 @@ class ActorRolloutRefWorker(Worker):
                                   dp_size=self.world_size, device=self.device)
             self.actor.packing = packing_mode(cfg.model)
             offload_after_init(model, fsdp, optimizer)
-        if self._is_ref:
+        if self._is_ref and self.actor is not None and cfg.model.lora_rank:
+            # LoRA: the reference is the actor's model with its adapters disabled (no second copy).
+            self.ref = PPOActor(cfg.actor, self.actor.model, dp_group=self.process_group, dp_size=self.world_size,
+                                device=self.device)
+            self.ref.packing = self.actor.packing
+        elif self._is_ref:
             fsdp = cfg.ref.fsdp_config
             model = self._build_fsdp_model(fsdp, trainable=False)
             self.ref = PPOActor(cfg.actor, model, dp_group=self.process_group, dp_size=self.world_size,
@@ -171,7 +179,8 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ rollout
     def _sync_weights(self) -> None:
-        """Stream the actor's full parameters into the engine, one bucket at a time."""
+        """Stream the actor's full parameters into the engine, one bucket at a time (with LoRA: the base
+        once, then the adapters only; see tinyzero.models.lora.sync_adapters)."""
         from tinyzero.rollout.weight_sync import iter_full_params
 
         if self.actor is None or self._synced_version == self._weights_version:
@@ -179,7 +188,12 @@ class ActorRolloutRefWorker(Worker):
         bucket = int(getattr(self.config.rollout, "weight_sync_bucket_mb", 256)) * 2**20
         fsdp = self.config.actor.fsdp_config
         with on_device(self.actor.model, fsdp, self.device):
-            self.rollout.update_weights(iter_full_params(self.actor.model, bucket))
+            if self.config.model.lora_rank:
+                from tinyzero.models.lora import sync_adapters
+
+                sync_adapters(self.actor.model, self.rollout, bucket, with_base=self._synced_version < 0)
+            else:
+                self.rollout.update_weights(iter_full_params(self.actor.model, bucket))
         self._synced_version = self._weights_version
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="rollout")
@@ -236,7 +250,9 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError(f"compute_ref_log_prob needs the ref role; this worker is {self.role!r}")
         ref = self.config.ref
         temperature = float(data.meta_info.get("temperature", getattr(self.config.rollout, "temperature", 1.0)))
-        with on_device(self.ref.model, ref.fsdp_config, self.device):
+        shared = self.ref.model is getattr(self.actor, "model", None)  # LoRA: the base under the adapters
+        fsdp = self.config.actor.fsdp_config if shared else ref.fsdp_config
+        with on_device(self.ref.model, fsdp, self.device), base_only(self.ref.model, shared):
             log_probs, _ = self.ref.compute_log_prob(data, ref.log_prob_micro_batch_size_per_gpu,
                                                      ref.log_prob_use_dynamic_bsz,
                                                      ref.log_prob_max_token_len_per_gpu, temperature, False)

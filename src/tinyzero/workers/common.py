@@ -19,10 +19,9 @@ from tinyzero.workers.scaling import all_reduce_sum
 
 def fsdp_mesh(worker, fsdp_config: FSDPConfig):
     """The FSDP2 DeviceMesh of a role over `worker`'s pool."""
-    replicate, shard = fsdp_config.mesh_shape(worker.world_size)
-    if replicate == 1:
-        return worker.device_mesh((shard,), ("fsdp",))
-    return worker.device_mesh((replicate, shard), ("replicate", "shard"))
+    from tinyzero.models.fsdp import fsdp_mesh_layout
+
+    return worker.device_mesh(*fsdp_mesh_layout(fsdp_config, worker.world_size))
 
 
 def offloads_params(fsdp_config: FSDPConfig) -> bool:
@@ -51,6 +50,13 @@ def on_device(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device,
             offload_fsdp_model(model)
         if optimizer is not None and offloads_optimizer(fsdp_config):
             offload_optimizer(optimizer)
+
+
+def base_only(model: nn.Module, enabled: bool = True):
+    """The model with its LoRA adapters disabled inside (the reference policy), when `enabled`."""
+    from tinyzero.models.lora import disable_adapters
+
+    return disable_adapters(model) if enabled else contextlib.nullcontext(model)
 
 
 def offload_after_init(model: nn.Module, fsdp_config: FSDPConfig,

@@ -1,0 +1,264 @@
+"""LoRA on the actor (tinyzero.models.lora) on 2 CPU gloo ranks with the tiny model.
+
+One PPO step of a LoRA actor must move the adapters as a float64 single-process reference written
+from the formulas (1e-5) and leave every base weight bit-identical; the reference log-probs (the
+actor's model with adapters disabled) must equal the HF base model's; the native engine's greedy
+output after an adapter-only sync must equal a plain greedy loop over the trained policy; the
+exported PEFT adapter must load back (our loader, and peft when installed) with the same greedy
+output; a checkpoint (adapters + optimizer state only) must resume exactly. Budget: ~60 s.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_workers_actor import (
+    CLIP,
+    ENTROPY_COEFF,
+    KL_COEF,
+    LR,
+    NUM_ROWS,
+    _batch_proto,
+    _configs,
+    _full_params,
+    _my_chunk,
+    _portable,
+    _torch,
+)
+from tests.test_workers_rollout import RESPONSE_LEN, _greedy, _prompts
+from tests.workers_helpers import hf_response_log_probs, make_batch, reference_actor_loss
+
+RANK, ALPHA = 4, 8.0
+
+
+def _lora_configs(model_dir: str):
+    from tinyzero.rollout.config import RolloutConfig
+
+    cfg, _ = _configs(model_dir)
+    cfg.model.lora_rank, cfg.model.lora_alpha = RANK, ALPHA
+    cfg.rollout = RolloutConfig(n=1, prompt_length=7, response_length=RESPONSE_LEN, log_prob_micro_batch_size_per_gpu=3)
+    return cfg
+
+
+def _set_full(model, name: str, full: torch.Tensor) -> None:
+    """Overwrite one (sharded) parameter with a full tensor known on every rank."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    p = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        if isinstance(p, DTensor):
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+        else:
+            p.copy_(full)
+
+
+def _nonzero_b(model) -> None:
+    """B starts at zero (so would A's gradient); give every B seeded values, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    for name, p in sorted(_full_params(model).items()):
+        if name.endswith("lora_B.weight"):
+            _set_full(model, name, torch.randn(p.shape, generator=g) * 0.1)
+
+
+def lora_rank_fn(model_dir: str, out_dir: str):
+    from tinyzero.distributed import init_distributed, set_seed
+    from tinyzero.workers.actor_worker import ActorRolloutRefWorker
+
+    init_distributed()
+    torch.set_num_threads(1)
+    set_seed(0)
+    cfg = _lora_configs(model_dir)
+    worker = ActorRolloutRefWorker(cfg, "actor_rollout_ref")
+    worker.init_model()
+    assert worker.ref.model is worker.actor.model  # no second copy of the weights
+    model = worker.actor.model
+    _nonzero_b(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    opt_numel = sum(p.numel() for p in worker.actor.optimizer_params())
+
+    raw = make_batch(NUM_ROWS)
+    local = _my_chunk(_batch_proto(raw), worker)
+    rows = torch.arange(NUM_ROWS).chunk(worker.world_size)[worker.rank]
+    out = worker.compute_log_prob(local)
+    ref = worker.compute_ref_log_prob(local)
+    local.batch["old_log_probs"] = out.batch["old_log_probs"] + raw["noise_old"][rows]
+    local.batch["ref_log_prob"] = ref.batch["ref_log_prob"] + raw["noise_ref"][rows]
+    before = _full_params(model)
+    worker.update_actor(local)
+    after = _full_params(model)
+
+    # Adapter-only sync into the native engine, then greedy generation.
+    sent = []
+    merge = worker.rollout.update_lora
+    worker.rollout.update_lora = lambda tensors, s: merge(((sent.append(n), (n, t))[1] for n, t in tensors), s)
+    prompts = _prompts().chunk(2)[worker.rank]
+    gen = worker.generate_sequences(prompts)
+    worker.export_hf(os.path.join(out_dir, "adapter"))
+
+    # Resume: save, next update; a fresh worker loads and runs the same update.
+    ckpt = os.path.join(out_dir, "ckpt")
+    worker.save_checkpoint(ckpt, global_step=1)
+    next_a = worker.update_actor(copy.copy(local)).meta_info["metrics"]
+    fresh = ActorRolloutRefWorker(cfg, "actor")
+    fresh.init_model()
+    fresh.load_checkpoint(ckpt)
+    next_b = fresh.update_actor(copy.copy(local)).meta_info["metrics"]
+    res = {"before": before, "after": after, "trainable": sorted(trainable), "opt_numel": opt_numel,
+           "old_log_probs": out.batch["old_log_probs"], "ref_log_prob": ref.batch["ref_log_prob"], "rows": rows,
+           "sent": sent, "gen": gen.batch, "next_a": next_a, "next_b": next_b,
+           "resumed_a": _full_params(worker.actor.model), "resumed_b": _full_params(fresh.actor.model)}
+    return _portable(res) if int(os.environ["RANK"]) == 0 else None
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("lora"))
+    return _torch(run_distributed(lora_rank_fn, 2, tiny_model_dir, out_dir, timeout=600)[0]), out_dir
+
+
+def _lora_model(model_dir: str, adapters: dict, dtype=torch.float64):
+    """The HF model with LoRA layers holding `adapters` (full tensors by parameter name)."""
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.models.lora import LoraSpec, apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    apply_lora(model, LoraSpec(RANK, ALPHA), dtype=dtype, init=False)
+    state = {n: t.to(dtype) for n, t in adapters.items() if ".lora_" in n}
+    assert set(state) == {n for n, _ in model.named_parameters() if ".lora_" in n}
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def test_only_adapters_train_and_match_float64_reference(run, tiny_model_dir):
+    res, _ = run
+    assert res["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in res["trainable"])
+    lora_numel = sum(res["before"][n].numel() for n in res["trainable"])
+    assert res["opt_numel"] == lora_numel  # the optimizer holds the adapters (global numel), nothing else
+    for name, t in res["before"].items():
+        if name not in res["trainable"]:
+            assert torch.equal(res["after"][name], t), f"base weight {name} changed"
+
+    model = _lora_model(tiny_model_dir, res["before"])
+    raw = make_batch(NUM_ROWS)
+    with torch.no_grad():
+        lp = hf_response_log_probs(model, raw)
+    mask = raw["response_mask"][res["rows"]].bool()
+    torch.testing.assert_close(res["old_log_probs"][mask], lp[res["rows"]][mask].float(), rtol=0, atol=1e-5)
+    batch = dict(raw, old_log_probs=lp + raw["noise_old"])
+    from tinyzero.models.lora import disable_adapters
+
+    with torch.no_grad(), disable_adapters(model):
+        base_lp = hf_response_log_probs(model, raw)
+    batch["ref_log_prob"] = base_lp + raw["noise_ref"]
+    loss, _ = reference_actor_loss(model, batch, CLIP["clip_ratio_low"], CLIP["clip_ratio_high"], CLIP["clip_ratio_c"],
+                                   ENTROPY_COEFF, KL_COEF)
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.optim.AdamW(params, lr=LR, eps=1e-6, weight_decay=0.01).step()
+    ref = dict(model.named_parameters())
+    for name in res["trainable"]:
+        moved = (res["after"][name] - res["before"][name]).abs().max()
+        assert moved > 1e-4, f"{name} did not move"
+        torch.testing.assert_close(res["after"][name], ref[name].detach().float(), rtol=0, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_reference_log_probs_are_the_base_models(run, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    res, _ = run
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    raw = make_batch(NUM_ROWS)
+    mask = raw["response_mask"][res["rows"]].bool()
+    with torch.no_grad():
+        lp = hf_response_log_probs(base, raw)[res["rows"]][mask].float()
+    torch.testing.assert_close(res["ref_log_prob"][mask], lp, rtol=0, atol=1e-5)
+    assert (res["old_log_probs"][mask] - lp).abs().max() > 1e-3  # the adapters do change the policy
+
+
+def _assert_greedy(model, gen: dict, tiny_model_dir: str):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = {tok.eos_token_id, *GenerationConfig.from_pretrained(tiny_model_dir).eos_token_id}
+    prompts = _prompts().chunk(2)[0]
+    model.eval()
+    for i in range(len(prompts)):
+        prompt = prompts.batch["input_ids"][i][prompts.batch["attention_mask"][i].bool()].tolist()
+        n = int(gen["response_mask"][i].sum())
+        assert gen["responses"][i, :n].tolist() == _greedy(model, prompt, RESPONSE_LEN, eos), i
+
+
+def test_adapter_only_sync_gives_the_trained_policy(run, tiny_model_dir):
+    res, _ = run
+    lora_names = [n for n in res["sent"] if ".lora_" in n]
+    assert res["sent"] == lora_names and len(lora_names) == len(res["trainable"])
+    _assert_greedy(_lora_model(tiny_model_dir, res["after"], torch.float32), res["gen"], tiny_model_dir)
+
+
+def test_exported_adapter_loads_back(run, tiny_model_dir):
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.models.lora import load_adapter
+
+    res, out_dir = run
+    adapter = os.path.join(out_dir, "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"]) == \
+        ("LORA", "CAUSAL_LM", RANK, ALPHA)
+    keys = set(load_file(os.path.join(adapter, "adapter_model.safetensors")))
+    assert keys == {"base_model.model." + n for n in res["trainable"]}
+    model = load_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), adapter)
+    _assert_greedy(model, res["gen"], tiny_model_dir)
+
+
+def test_exported_adapter_loads_in_peft(run, tiny_model_dir):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    res, out_dir = run
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, os.path.join(out_dir, "adapter"))
+    _assert_greedy(model, res["gen"], tiny_model_dir)
+
+
+def test_resume_is_exact(run):
+    res, out_dir = run
+    assert res["next_a"] == res["next_b"]
+    for name, t in res["resumed_a"].items():
+        assert torch.equal(res["resumed_b"][name], t), name
+    from tinyzero.models.safe_dcp import SafeFileSystemReader
+
+    keys = SafeFileSystemReader(os.path.join(out_dir, "ckpt")).read_metadata().state_dict_metadata
+    tensors = [k for k in keys if not k.startswith("optim.param_groups.")]  # hyper-parameters
+    assert tensors and all(".lora_" in k for k in tensors), "the checkpoint must hold adapters (+ their state) only"
+
+
+def test_merged_stream_equals_the_adapted_model(tiny_model_dir):
+    """Engines without adapter support get merged weights: W + scale * B @ A equals the LoRA forward."""
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.models.lora import LoraSpec, apply_lora, lora_layers, merge_adapters
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    apply_lora(model, LoraSpec(RANK, ALPHA, ("q_proj", "down_proj")), dtype=torch.float64)
+    for layer in lora_layers(model).values():
+        torch.nn.init.normal_(layer.lora_B.weight, std=0.1)
+    merged = dict(merge_adapters(((n, p.detach()) for n, p in model.named_parameters()), ALPHA / RANK,
+                                 set(lora_layers(model))))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    plain.load_state_dict(merged, strict=False)
+    ids = torch.randint(3, 250, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=1e-9)
