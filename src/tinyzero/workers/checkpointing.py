@@ -1,6 +1,6 @@
 """Checkpoint glue of the workers: one role's state in and out of its folder.
 
-The folder format is tinyzero.trainer.checkpoint's `save_state` / `load_state`: DCP shards of
+The folder format is tinyzero.models.role_state's `save_state` / `load_state`: DCP shards of
 the model and optimizer (resharded on load, so the number of ranks may change), the lr
 scheduler and a small JSON of extra state (the update counter, which also seeds the
 mini-batch shuffle). Atomic publication of a step, keeping the last K and the RNG states
@@ -16,7 +16,7 @@ CONTENT_NAMES = ("model", "optimizer", "extra", "hf_model")
 
 def save_role(worker, role, local_path: str, global_step: int, contents: list[str]) -> None:
     """Write `role`'s (a PPOActor / PPOCritic) model, optimizer and lr scheduler into local_path."""
-    from tinyzero.trainer.checkpoint import save_state
+    from tinyzero.models.role_state import save_state
 
     if "model" not in contents:
         raise ValueError(f"checkpoint.contents={contents} must include 'model'")
@@ -31,7 +31,7 @@ def save_role(worker, role, local_path: str, global_step: int, contents: list[st
 
 def load_role(worker, role, local_path: str) -> None:
     """Restore what save_role wrote; the optimizer and scheduler only when they were saved."""
-    from tinyzero.trainer.checkpoint import load_state
+    from tinyzero.models.role_state import load_state
 
     if not os.path.isfile(os.path.join(local_path, ".metadata")):
         raise ValueError(f"{local_path!r} is not a worker checkpoint folder (no DCP .metadata); pass the "
