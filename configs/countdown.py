@@ -38,7 +38,7 @@ def countdown_qwen2_5_3b_ppo() -> Config:
     arr.actor.ppo_max_token_len_per_gpu = 16384
     arr.actor.entropy_coeff = 0.001
     arr.actor.use_kl_loss = False
-    arr.rollout.name = "vllm"
+    arr.rollout.name = "auto"  # vLLM on GPU machines where it imports, else the native engine
     arr.rollout.n = 1
     arr.rollout.temperature = 1.0
     arr.rollout.tensor_model_parallel_size = 2

@@ -32,7 +32,7 @@ def gsm8k_grpo() -> Config:
     arr.actor.kl_loss_coef = 0.001
     arr.actor.kl_loss_type = "low_var_kl"
     arr.actor.entropy_coeff = 0.0
-    arr.rollout.name = "vllm"
+    arr.rollout.name = "auto"  # vLLM on GPU machines where it imports, else the native engine
     arr.rollout.n = 5
     arr.rollout.tensor_model_parallel_size = 2
     arr.rollout.gpu_memory_utilization = 0.6
