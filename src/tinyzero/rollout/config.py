@@ -128,23 +128,6 @@ class RolloutConfig:
     timeout, HTTP 5xx / 408 / 429), with exponential backoff from 0.25 s, before the rollout fails."""
     remote_max_concurrency: int = 64
     """rollout.name=remote: most requests in flight at once from this rank (one request per prompt)."""
-    server_urls: list[str] = field(default_factory=list)
-    """rollout.name=remote: base URLs of the OpenAI-compatible generation servers (vLLM serve), e.g.
-    `--actor_rollout_ref.rollout.server_urls http://gen0:8000 http://gen1:8000`; each request goes to
-    the one with the fewest in flight."""
-    remote_weights_dir: str = ""
-    """rollout.name=remote with remote_weight_sync=vllm: a folder the trainer and every server see at
-    this same path; each weight sync writes a safetensors snapshot there (the newest one is kept)."""
-    remote_weight_sync: str = "vllm"
-    """rollout.name=remote: how weights reach the servers: "vllm" (snapshot + /collective_rpc
-    reload_weights; servers run with VLLM_SERVER_DEV_MODE=1) or "none" (servers keep their weights)."""
-    remote_timeout_s: float = 300.0
-    """rollout.name=remote: seconds one HTTP read may wait (a whole response is one read for vLLM)."""
-    remote_max_retries: int = 4
-    """rollout.name=remote: retries of a request after a transient failure (connection refused / reset,
-    timeout, HTTP 5xx / 408 / 429), with exponential backoff from 0.25 s, before the rollout fails."""
-    remote_max_concurrency: int = 64
-    """rollout.name=remote: most requests in flight at once from this rank (one request per prompt)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling used for validation."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -188,24 +171,6 @@ class RolloutConfig:
                              f"{PREFIX_SHARING}")
         if self.native_impl not in NATIVE_IMPLS:
             raise ValueError(f"rollout.native_impl={self.native_impl!r} is not one of {NATIVE_IMPLS}")
-        self._check_remote()
-
-    def _check_remote(self) -> None:
-        if self.name == "remote" and not self.server_urls:
-            raise ValueError("rollout.name=remote needs rollout.server_urls (one or more, e.g. "
-                             "--actor_rollout_ref.rollout.server_urls http://127.0.0.1:8000)")
-        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"rollout.server_urls {bad} must start with http:// or https://")
-        if self.remote_weight_sync not in ("vllm", "none"):
-            raise ValueError(f"rollout.remote_weight_sync={self.remote_weight_sync!r} is not one of ('vllm', 'none')")
-        if self.name == "remote" and self.remote_weight_sync == "vllm" and not self.remote_weights_dir:
-            raise ValueError("rollout.name=remote syncs weights through rollout.remote_weights_dir (a folder the "
-                             "servers see); set it, or rollout.remote_weight_sync=none to keep the servers' weights")
-        if self.remote_timeout_s <= 0 or self.remote_max_retries < 0 or self.remote_max_concurrency < 1:
-            raise ValueError("rollout.remote_timeout_s must be > 0, rollout.remote_max_retries >= 0 and "
-                             "rollout.remote_max_concurrency >= 1")
-
         self._check_remote()
 
     def _check_remote(self) -> None:
