@@ -10,7 +10,8 @@ all-reduce of the flag, since the signal may reach the ranks at different moment
 one of them), saves, and exits non-zero saying so. If no safe point is reached within
 `grace_s` of the signal, the process exits on its own with one line saying so (the last
 checkpoint is intact, since saves are atomic). A second signal ends the process at once (a repeat
-within 2 s is the same request), and so does a failure after the signal (no teardown).
+within 2 s is the same request), and so does a failure after the signal (no teardown). A signal
+that torchrun sends because a rank on this host exited ends the process at once too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,30 @@ class _State:
 REPEAT_WINDOW_S = 2.0
 
 
+def _local_peer_exited() -> bool:
+    """Under torchrun, whether a worker on this host has exited: torchrun then signals the others to stop,
+    and there is nothing to agree with (a failed job, not a preemption)."""
+    expected = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if expected <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ or not os.path.isdir("/proc"):
+        return False
+    parent, alive = os.getppid(), 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            alive += int(ppid) == parent and state not in ("Z", "X")
+    return alive < expected
+
+
 def _on_signal(signum, frame) -> None:
+    if _State.signum is None and _local_peer_exited():
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"[rank {rank}] received {signal.Signals(signum).name} after a rank on this host exited: stopping "
+              "now", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
     if _State.signum is not None:
         if time.monotonic() - _State.received_at < REPEAT_WINDOW_S:
             return
