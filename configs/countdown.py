@@ -12,6 +12,8 @@ differs. The GRPO preset is ours: TinyZero's script runs PPO only.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tinyzero.config import Config
 
 
@@ -38,7 +40,8 @@ def countdown_qwen2_5_3b_ppo() -> Config:
     arr.actor.ppo_max_token_len_per_gpu = 16384
     arr.actor.entropy_coeff = 0.001
     arr.actor.use_kl_loss = False
-    arr.rollout.name = "auto"  # vLLM on GPU machines where it imports, else the native engine
+    # "auto": vLLM on GPU machines where it imports, else the native engine (resolved in __post_init__)
+    arr.rollout = dataclasses.replace(arr.rollout, name="auto")
     arr.rollout.n = 1
     arr.rollout.temperature = 1.0
     arr.rollout.tensor_model_parallel_size = 2

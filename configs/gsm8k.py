@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tinyzero.config import Config
 
 
@@ -32,7 +34,8 @@ def gsm8k_grpo() -> Config:
     arr.actor.kl_loss_coef = 0.001
     arr.actor.kl_loss_type = "low_var_kl"
     arr.actor.entropy_coeff = 0.0
-    arr.rollout.name = "auto"  # vLLM on GPU machines where it imports, else the native engine
+    # "auto": vLLM on GPU machines where it imports, else the native engine (resolved in __post_init__)
+    arr.rollout = dataclasses.replace(arr.rollout, name="auto")
     arr.rollout.n = 5
     arr.rollout.tensor_model_parallel_size = 2
     arr.rollout.gpu_memory_utilization = 0.6
