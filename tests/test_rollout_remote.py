@@ -338,3 +338,36 @@ def test_vllm_serve_greedy_matches_native_before_and_after_sync(vllm_server, tmp
     assert not torch.equal(before, after)  # the sync changed what the server generates
     remote.shutdown()
 
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_steps_through_vllm_serve(vllm_server, tmp_path):
+    """Two GRPO steps of train.py on 2 ranks with every rollout on the server: rank 0 syncs the actor's
+    weights before each rollout (rank 1 waits for the version), and the sampler's log-probs agree with
+    the trainer's recomputation at every step, so each step sampled from the trainer's current weights."""
+    from tinyzero.demo import build_data
+    from tinyzero.trainer.loggers import read_metrics
+
+    url, model_dir = vllm_server
+    build_data(str(tmp_path / "data"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "train.py"), "--preset", "demo_cpu", f"--data.train_files={tmp_path}/data/train.parquet",
+           f"--data.val_files={tmp_path}/data/test.parquet", f"--actor_rollout_ref.model.path={model_dir}",
+           f"--trainer.default_local_dir={tmp_path}/run", "--actor_rollout_ref.rollout.name=remote",
+           f"--actor_rollout_ref.rollout.server_urls={url}",
+           f"--actor_rollout_ref.rollout.remote_weights_dir={tmp_path}/weights",
+           "--data.train_batch_size=8", "--actor_rollout_ref.rollout.n=4", "--trainer.total_training_steps=2",
+           "--trainer.test_freq=-1", "--trainer.val_before_train=false", "--trainer.plot=false",
+           "--trainer.export_hf=false", "--actor_rollout_ref.actor.entropy_coeff=0.01"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    rows = [r for r in read_metrics(str(tmp_path / "run")) if "actor/pg_loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # fp32 server and trainer over the same weights: rounding only (a missed sync is far off).
+        assert r["training/rollout_log_probs_diff_mean"] < 1e-4, r
+        assert r["response_length/mean"] > 0
+    assert rows[0]["actor/grad_norm"] > 0  # the actor moved, so step 2 sampled from newly synced weights
+    assert len(os.listdir(tmp_path / "weights")) == 1  # the newest snapshot only
