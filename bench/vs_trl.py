@@ -187,6 +187,8 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
         f"--trainer.total_training_steps={args.warmup + args.steps}", "--trainer.test_freq=-1",
         "--trainer.val_before_train=false", "--trainer.save_freq=-1", "--trainer.export_hf=false",
         "--trainer.plot=false", "--trainer.log_samples=0", f"--trainer.default_local_dir={run_dir}",
+        f"--actor_rollout_ref.model.use_remove_padding={str(args.packing != 'none').lower()}",
+        f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train.py"), *flags]
@@ -233,6 +235,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps per run")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured first steps per run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--packing", choices=("none", "remove_padding", "shared_prefix"), default="shared_prefix",
+                   help="our side's training-pass packing (actor_rollout_ref.model.use_remove_padding / "
+                        "use_shared_prefix); TRL has no equivalent")
     p.add_argument("--idle-busy", type=float, default=0.1, help="busy CPU share below which the machine is idle")
     p.add_argument("--idle-wait-s", type=float, default=600.0, help="longest wait for an idle machine per run")
     p.add_argument("--run-timeout-s", type=float, default=3600.0)
@@ -260,7 +265,8 @@ def main() -> None:
             print(json.dumps({"round": i, "side": side, **runs[-1]}), flush=True)
     result = {
         "model": args.model, "model_path": model, "rounds": args.rounds, "steps": args.steps,
-        "warmup": args.warmup, "shape": "8 prompts x 4 samples, <= 64 new tokens, 2 procs x 1 thread",
+        "warmup": args.warmup, "packing": args.packing,
+        "shape": "8 prompts x 4 samples, <= 64 new tokens, 2 procs x 1 thread",
         "step_time_ratio": _median_ratio(ours, trl, "sec_per_step"),
         "tokens_per_s_ratio": _median_ratio(ours, trl, "tokens_per_s"),
         "peak_rss_ratio": _median_ratio(ours, trl, "peak_rss_mib"),
