@@ -36,25 +36,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+# trainer.mode -> "module:builder" (imported on use: a PPO run does not import the DPO code, and so on)
+BUILDERS = {
+    "ppo": "tinyzero.trainer.builder:build_ppo_trainer",
+    "sft": "tinyzero.trainer.sft:build_sft_trainer",
+    "rm": "tinyzero.trainer.rm:build_rm_trainer",
+    "dpo": "tinyzero.trainer.dpo:build_dpo_trainer",
+}
+
+
 def run(cfg) -> dict:
     """Build and fit the trainer the config's mode names; returns the final metrics (every rank)."""
-    mode = cfg.trainer.mode
-    if mode == "ppo":
-        from tinyzero.trainer.builder import build_ppo_trainer
+    import importlib
 
-        trainer = build_ppo_trainer(cfg)
-    elif mode == "sft":
-        from tinyzero.trainer.sft import build_sft_trainer
-
-        trainer = build_sft_trainer(cfg)
-    elif mode == "rm":
-        from tinyzero.trainer.rm import build_rm_trainer
-
-        trainer = build_rm_trainer(cfg)
-    else:
-        from tinyzero.trainer.dpo import build_dpo_trainer
-
-        trainer = build_dpo_trainer(cfg)
+    module, name = BUILDERS[cfg.trainer.mode].split(":")
+    trainer = getattr(importlib.import_module(module), name)(cfg)
     try:
         return trainer.fit()
     finally:
@@ -86,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinyzero.progress import start_watchdog, stop_watchdog
     from tinyzero.rewards.manager import RewardError
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
-    from tinyzero.trainer.ppo import NonFiniteError
+    from tinyzero.trainer.loop import NonFiniteError
     from tinyzero.trainer.preemption import (
         Preempted,
         exit_if_signalled,
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         set_seed(cfg.trainer.seed)
         with hold_run_folder(cfg.trainer.default_local_dir):  # before anything in the folder is written
-            if cfg.trainer.save_on_signal and cfg.trainer.mode == "ppo":  # the PPO loop checks at each step's end
+            if cfg.trainer.save_on_signal:  # every trainer's loop (trainer/loop.py) checks at each step's end
                 install_stop_handlers(cfg.trainer.signal_grace_s)
             run(cfg)
         return 0

@@ -111,7 +111,7 @@ class TrainerConfig:
     save_on_signal: bool = True
     """On SIGTERM / SIGINT (Slurm and Kubernetes send SIGTERM before killing): finish the current step,
     save a checkpoint on every rank, and exit non-zero saying so. A second signal stops at once.
-    PPO-family runs (trainer.mode=ppo); SFT, RM and DPO stop at once as before."""
+    Every trainer mode (ppo, sft, rm, dpo): they share one loop."""
     signal_grace_s: float = 25.0
     """After a SIGTERM / SIGINT, the most seconds to wait for the end of the step and its save; past it
     the job exits without saving (the last checkpoint stays intact). Keep it below the scheduler's

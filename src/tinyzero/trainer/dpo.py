@@ -27,14 +27,16 @@ with rewards = beta * (log pi - log ref) summed over the response.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 import torch.nn.functional as F
 
 from tinyzero.algorithms import register_policy_loss
-from tinyzero.config import Config, ConfigError, check_world, to_dict
+from tinyzero.config import Config, ConfigError
 from tinyzero.data import PairwiseDataset
-from tinyzero.distributed import get_rank, get_world_size
-from tinyzero.models.loading import check_model_path, load_tokenizer
+from tinyzero.distributed import get_world_size
+from tinyzero.overrides import override
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import (
     ClassWithInitArgs,
@@ -42,13 +44,25 @@ from tinyzero.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
-from tinyzero.trainer.builder import build_datasets, write_run_config
 from tinyzero.trainer.loggers import Tracking
-from tinyzero.trainer.ppo import pop_metrics
+from tinyzero.trainer.loop import pop_metrics
+from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
 from tinyzero.trainer.sft import SupervisedTrainer
 from tinyzero.workers.actor_worker import ActorRolloutRefWorker
 
 LOSS_NAME = "dpo"
+
+# The actor settings DPO runs on (field, value, why); a different user value is replaced with a warning.
+DPO_SETTINGS = (
+    ("actor_rollout_ref.rollout.n", 2,
+     "DPO's actor sees a chosen and a rejected row per pair, so its mini-batch is ppo_mini_batch_size pairs"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", LOSS_NAME, "DPO trains with the registered dpo loss"),
+    ("actor_rollout_ref.actor.loss_agg_mode", "seq-mean-token-mean",
+     "every row counts once, so micro-batch shares are pair shares"),
+    ("actor_rollout_ref.actor.use_kl_loss", False, "the DPO loss holds the reference already"),
+    ("actor_rollout_ref.actor.entropy_coeff", 0.0, "DPO has no entropy bonus"),
+    ("actor_rollout_ref.actor.ppo_epochs", 1, "one optimizer pass per batch of pairs"),
+)
 
 
 def dpo_pair_loss(h: torch.Tensor, beta: float, label_smoothing: float, loss_type: str) -> torch.Tensor:
@@ -163,26 +177,18 @@ def check_dpo_config(cfg: Config, world_size: int) -> None:
 def build_dpo_trainer(cfg: Config) -> DPOTrainer:
     """Datasets, the colocated actor + reference groups, loggers; every rank."""
     world_size = get_world_size()
-    check_world(cfg, world_size)
+    check_inputs(cfg, world_size)
     check_dpo_config(cfg, world_size)
     arr = cfg.actor_rollout_ref
-    check_model_path(arr.model.path)
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
-    # The actor sees rows, two per pair: "rollout.n = 2" makes its mini-batch ppo_mini_batch_size pairs.
-    arr.rollout.n = 2
     # every row counts once, so micro-batch shares are pair shares; the registry entry says so too
     register_policy_loss(LOSS_NAME, loss_agg_mode="seq-mean-token-mean", replace=True)(
         make_dpo_policy_loss(cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.loss_type))
-    arr.actor.policy_loss.loss_mode = LOSS_NAME
-    arr.actor.loss_agg_mode = "seq-mean-token-mean"
-    arr.actor.use_kl_loss = False
-    arr.actor.entropy_coeff = 0.0
-    arr.actor.ppo_epochs = 1
+    for field, new, why in DPO_SETTINGS:
+        section, name = field.rsplit(".", 1)
+        obj = attrgetter(section.removeprefix("actor_rollout_ref."))(arr)
+        override(obj, name, new, field, why)
 
-    tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
-    _, val_ds, loader, total = build_datasets(cfg, tokenizer, PairwiseDataset)
-    arr.actor.optim.total_training_steps = total
+    run = prepare_run(cfg, PairwiseDataset, {"actor_rollout_ref.actor.optim": arr.actor.optim})
     run_dir = write_run_config(cfg)
     classes = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, "actor"),
                "ref": ClassWithInitArgs(ActorRolloutRefWorker, arr, "ref")}
@@ -191,7 +197,5 @@ def build_dpo_trainer(cfg: Config) -> DPOTrainer:
         prefix_set=set(classes))
     wgs["ref"].init_model()
     wgs["actor"].init_model()
-    tracker = Tracking(run_dir, cfg.trainer.logger, total_steps=total, project=cfg.trainer.project_name,
-                       experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
-                       progress_bar=cfg.trainer.progress_bar, enabled=get_rank() == 0)
-    return DPOTrainer(cfg, wgs["actor"], wgs["ref"], loader, val_ds, tracker, total)
+    tracker = make_tracker(cfg, run_dir, run.total_steps)
+    return DPOTrainer(cfg, wgs["actor"], wgs["ref"], run.train_loader, run.val_dataset, tracker, run.total_steps)

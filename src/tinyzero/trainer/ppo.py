@@ -12,25 +12,19 @@ a critic / a reference / a reward model".
 
 from __future__ import annotations
 
-import math
-import os
-
 import numpy as np
 import torch
 
 from tinyzero.algorithms.advantages import compute_advantage, get_adv_estimator_spec
 from tinyzero.algorithms.dynamic_sampling import FILTER_METRICS, filter_groups
 from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
-from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
 from tinyzero.trainer.balance import balance_batch
-from tinyzero.trainer.checkpoint import (
-    CheckpointManager,
-    load_rng_state,
-    load_trainer_state,
-    save_rng_state,
-    save_trainer_state,
-    verify_checkpoint,
+from tinyzero.trainer.checkpoint import load_rng_state, save_rng_state
+from tinyzero.trainer.loop import (
+    Driver,
+    NonFiniteError,  # noqa: F401 - its former home, still imported from here
+    pop_metrics,
 )
 from tinyzero.trainer.metrics import (
     compute_data_metrics,
@@ -41,112 +35,51 @@ from tinyzero.trainer.metrics import (
     merge_worker_metrics,
     timer,
 )
-from tinyzero.trainer.preemption import finish as finish_on_signal
-from tinyzero.trainer.preemption import stop_requested
 from tinyzero.trainer.validation import validate
-
-
-def draw_curves(run_dir: str, tracker) -> None:
-    """RUN/curves.png, when matplotlib is installed and there is something to draw."""
-    try:
-        from tinyzero.plot import plot_run
-
-        tracker.print(f"[tinyzero] curves: {plot_run(run_dir)}")
-    except (ImportError, ValueError, OSError) as e:
-        tracker.print(f"[tinyzero] no curves drawn: {e}")
 
 GEN_KEYS = ("input_ids", "attention_mask", "position_ids")
 GEN_NON_TENSOR_KEYS = ("raw_prompt_ids",)
 
 
-def pop_metrics(out: DataProto) -> dict[str, float]:
-    """Take a worker output's meta_info["metrics"] out (so it does not collide in union) and reduce it."""
-    return merge_worker_metrics([out.meta_info.pop("metrics", {})])
-
-
-class NonFiniteError(RuntimeError):
-    """A loss or gradient norm was NaN/inf; the step's update was not applied."""
-
-
-class PPOTrainer:
+class PPOTrainer(Driver):
     """Drives the roles through PPO steps; owns the step counter, KL controller, logging, checkpoints."""
 
     def __init__(self, config, roles, tokenizer, train_loader, val_dataset, reward_fn, val_reward_fn, tracker,
                  total_steps: int, world_size: int, device: torch.device):
-        self.config = config
+        super().__init__(config, train_loader, val_dataset, tracker, total_steps)
         self.roles = roles  # .actor_rollout (always), .critic, .reward_model (or None)
         self.tokenizer = tokenizer
-        self.train_loader = train_loader
-        self.val_dataset = val_dataset
         self.reward_fn = reward_fn
         self.val_reward_fn = val_reward_fn
-        self.tracker = tracker
-        self.total_steps = total_steps
         self.world_size = world_size
         self.device = device
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
-        self.global_step = 0
-        self.ckpt = CheckpointManager(os.path.join(config.trainer.default_local_dir, "checkpoints"),
-                                      keep_last=config.trainer.max_ckpt_to_keep)
-        self._batches = None
         self.hf_config = None  # the policy's HF config (set by the builder): perf/mfu/actor on GPU
 
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
-        """Train to `total_steps`; returns the last step's metrics (with the final validation)."""
-        self.load_checkpoint()
-        last: dict[str, float] = {}
-        trainer = self.config.trainer
-        if trainer.val_before_train and self.global_step == 0 and self.val_dataset is not None:
-            last = self.validate()
-            self.tracker.log(last, step=0)
-            if trainer.val_only:
-                return last
-        while self.global_step < self.total_steps:
-            self.global_step += 1
-            report_progress("step", step=self.global_step)
-            metrics, timing = {}, {}
-            with timer("step", timing):
-                if self.config.algorithm.filter_groups.enable:
-                    batch = self.rollout_filtered(timing, metrics)  # DAPO: generate and score until full
-                else:
-                    batch = self.rollout(self.next_batch(), timing, metrics)
-                batch = self.score(batch, timing, metrics)
-                batch = self.compute_advantages(batch, timing, metrics)
-                self.update_critic(batch, timing, metrics)
-                self.update_actor(batch, timing, metrics)
-            metrics.update(self.step_metrics(batch, timing))
-            metrics.update(self.maybe_validate())
-            # Log before saving: a kill in between redoes the step from the previous checkpoint
-            # (the resumed run drops the step's line), never leaves a checkpoint without its line.
-            self.tracker.log(metrics, step=self.global_step)
-            saved = self.maybe_save()
-            self.stop_if_signalled(saved)
-            last = metrics
-        if self.config.trainer.export_hf:
-            self.roles.actor_rollout.export_hf(os.path.join(self.config.trainer.default_local_dir, "hf_model"))
-        return last
-
-    def close(self) -> None:
-        """Flush the loggers and draw the curves (rank 0)."""
-        self.tracker.close()
-        if self.config.trainer.plot and self.tracker.enabled:
-            draw_curves(self.config.trainer.default_local_dir, self.tracker)
+    # ------------------------------------------------------------------ one step (Driver.fit runs the loop)
+    def step(self) -> dict[str, float]:
+        """rollout -> score -> advantages -> critic update -> actor update; the step's metrics."""
+        metrics, timing = {}, {}
+        with timer("step", timing):
+            if self.config.algorithm.filter_groups.enable:
+                batch = self.rollout_filtered(timing, metrics)  # DAPO: generate and score until full
+            else:
+                batch = self.rollout(self.next_batch(), timing, metrics)
+            batch = self.score(batch, timing, metrics)
+            batch = self.compute_advantages(batch, timing, metrics)
+            self.update_critic(batch, timing, metrics)
+            self.update_actor(batch, timing, metrics)
+        metrics.update(self.step_metrics(batch, timing))
+        return metrics
 
     def next_batch(self, part: int = 0) -> DataProto:
         """The next prompt batch (epochs roll over inside; resumable through the loader's state).
 
         `part` numbers the prompt batches of one step (dynamic sampling draws several): uids stay unique."""
-        if self._batches is None:
-            self._batches = self._iterate()
-        batch = next(self._batches)
+        batch = self.next_train_batch()
         prefix = f"{self.global_step}" if part == 0 else f"{self.global_step}.{part}"
         batch.non_tensor_batch["uid"] = np.array([f"{prefix}-{i}" for i in range(len(batch))], dtype=object)
         return batch
-
-    def _iterate(self):
-        while True:
-            yield from self.train_loader
 
     # ------------------------------------------------------------------ phases
     def rollout(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
@@ -333,34 +266,7 @@ class PPOTrainer:
         self._check_finite(out, ("actor/pg_loss", "actor/grad_norm"), "actor/num_skipped_steps")
         metrics.update(out)
 
-    def _check_finite(self, metrics: dict, names: tuple[str, ...], skipped_key: str) -> None:
-        bad = [n for n in names if n in metrics and not math.isfinite(metrics[n])]
-        if metrics.get(skipped_key, 0) > 0:
-            bad.append(f"{skipped_key}={metrics[skipped_key]:g}")
-        if not bad:
-            return
-        msg = (f"step {self.global_step}: non-finite {', '.join(bad)}; the optimizer step was not applied")
-        if self.config.trainer.nonfinite == "stop":
-            raise NonFiniteError(f"{msg}. {self._checkpoint_situation()}; lower the learning rate, check the "
-                                 "data, or set --trainer.nonfinite skip to drop such batches")
-        self.tracker.print(f"[tinyzero] warning: {msg}; skipping the batch (trainer.nonfinite=skip)")
-
-    def _checkpoint_situation(self) -> str:
-        """Which sealed checkpoint a restart would resume from (none yet is said plainly)."""
-        for step, path in self.ckpt.checkpoints():
-            if verify_checkpoint(path, checksum=False) is None:
-                return f"The last checkpoint, step {step} in {path}, is intact: a restart resumes from it"
-        return (f"No checkpoint has been saved in {self.ckpt.root} (trainer.save_freq="
-                f"{self.config.trainer.save_freq}): a restart begins from step 0")
-
     # ------------------------------------------------------------------ validation, metrics, samples
-    def maybe_validate(self) -> dict[str, float]:
-        freq = self.config.trainer.test_freq
-        last = self.global_step == self.total_steps
-        if self.val_dataset is None or not (last or (freq > 0 and self.global_step % freq == 0)):
-            return {}
-        return self.validate()
-
     def validate(self) -> dict[str, float]:
         metrics, samples = validate(self, self.val_dataset, self.val_reward_fn)
         self._log_samples(samples, "val", self.config.trainer.log_val_generations)
@@ -384,47 +290,22 @@ class PPOTrainer:
         if samples and limit > 0:
             self.tracker.log_samples(samples[:limit], step=self.global_step, split=split)
 
-    # ------------------------------------------------------------------ checkpoints
-    def maybe_save(self) -> bool:
-        freq = self.config.trainer.save_freq
-        if self.global_step == self.total_steps or (freq > 0 and self.global_step % freq == 0):
-            self.save_checkpoint()
-            return True
-        return False
+    # ------------------------------------------------------------------ checkpoints, export
+    def save_roles(self, tmp: str) -> None:
+        self.roles.actor_rollout.save_checkpoint(f"{tmp}/actor", self.global_step)
+        if self.roles.critic is not None:
+            self.roles.critic.save_checkpoint(f"{tmp}/critic", self.global_step)
+        save_rng_state(tmp)
 
-    def stop_if_signalled(self, saved: bool) -> None:
-        """After SIGTERM/SIGINT on any rank (trainer.save_on_signal): save this step unless done, then stop."""
-        signame = stop_requested()
-        if signame is not None and self.global_step < self.total_steps:
-            if not saved:
-                self.save_checkpoint()
-            raise finish_on_signal(signame, self.global_step, self.ckpt.root)
+    def extra_state(self) -> dict:
+        return {"kl_coef": float(self.kl_ctrl.value)}
 
-    def save_checkpoint(self) -> None:
-        """Roles write their shards into a temporary folder; finalize seals it (atomic rename)."""
-        with self.ckpt.saving(self.global_step) as tmp:
-            self.roles.actor_rollout.save_checkpoint(f"{tmp}/actor", self.global_step)
-            if self.roles.critic is not None:
-                self.roles.critic.save_checkpoint(f"{tmp}/critic", self.global_step)
-            save_rng_state(tmp)
-            save_trainer_state(tmp, {"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
-                                     "kl_coef": float(self.kl_ctrl.value)})
-
-    def load_checkpoint(self) -> None:
-        """resume_mode auto / resume_path: restore roles, data position, step, KL coefficient, RNG."""
-        trainer = self.config.trainer
-        resume = trainer.resume_from_path if trainer.resume_mode == "resume_path" else trainer.resume_mode
-        step_dir = self.ckpt.resolve_resume(resume)
-        if step_dir is None:
-            self.tracker.start(0)
-            return
-        state = load_trainer_state(step_dir)
+    def load_roles(self, step_dir: str, state: dict) -> None:
         self.roles.actor_rollout.load_checkpoint(f"{step_dir}/actor")
         if self.roles.critic is not None:
             self.roles.critic.load_checkpoint(f"{step_dir}/critic")
-        load_rng_state(step_dir, seed=trainer.seed)
-        self.train_loader.load_state_dict(state["dataloader"])
-        self.global_step = int(state["global_step"])
+        load_rng_state(step_dir, seed=self.config.trainer.seed)
         self.kl_ctrl.value = float(state["kl_coef"])
-        self.tracker.start(self.global_step + 1)
-        self.tracker.print(f"[tinyzero] resumed from {step_dir} (step {self.global_step})")
+
+    def export_hf(self, out_dir: str) -> None:
+        self.roles.actor_rollout.export_hf(out_dir)

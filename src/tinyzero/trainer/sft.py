@@ -1,4 +1,4 @@
-"""SFT (and the shared driver of single-model trainers): batches -> train_step -> validate -> save.
+"""SFT, and the trainer of single-model runs (SFT, RM): one train_step per batch in the shared loop (loop.py).
 
     torchrun --nproc_per_node 8 train.py sft --preset sft --data.train_files data/sft/train.parquet
 
@@ -10,60 +10,37 @@ the run folder gets metrics.jsonl, checkpoints and the HF export (RUN/hf_model).
 
 from __future__ import annotations
 
-import math
-import os
-
-from tinyzero.config import Config, ConfigError, check_world, to_dict
+from tinyzero.config import Config
 from tinyzero.data import SFTDataset
 from tinyzero.data.loader import collate_to_dataproto
-from tinyzero.distributed import get_rank, get_world_size
-from tinyzero.models.loading import check_model_path, load_tokenizer
+from tinyzero.distributed import get_world_size
 from tinyzero.single_controller import ClassWithInitArgs, ResourcePool, WorkerGroup
-from tinyzero.trainer.builder import build_datasets, write_run_config
-from tinyzero.trainer.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
 from tinyzero.trainer.loggers import Tracking
+from tinyzero.trainer.loop import Driver, pop_metrics
 from tinyzero.trainer.metrics import timer
-from tinyzero.trainer.ppo import NonFiniteError, draw_curves, pop_metrics
+from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
 from tinyzero.trainer.supervised import SupervisedWorker
 
 
-class SupervisedTrainer:
-    """The loop of SFT and RM training (the worker's loss decides which)."""
+class SupervisedTrainer(Driver):
+    """The step of SFT and RM training (the worker's loss decides which) in the shared loop."""
 
     def __init__(self, config: Config, wg, loader, val_dataset, tracker: Tracking, total_steps: int):
-        self.config, self.wg, self.loader, self.val_dataset = config, wg, loader, val_dataset
-        self.tracker, self.total_steps = tracker, total_steps
-        self.global_step = 0
-        self.ckpt = CheckpointManager(os.path.join(config.trainer.default_local_dir, "checkpoints"),
-                                      keep_last=config.trainer.max_ckpt_to_keep)
+        super().__init__(config, loader, val_dataset, tracker, total_steps)
+        self.wg = wg
 
-    def fit(self) -> dict[str, float]:
-        self.load_checkpoint()
-        trainer, last = self.config.trainer, {}
-        if trainer.val_before_train and self.global_step == 0 and self.val_dataset is not None:
-            last = self.validate()
-            self.tracker.log(last, step=0)
-        batches = self._iterate()
-        while self.global_step < self.total_steps:
-            self.global_step += 1
-            timing = {}
-            with timer("step", timing):
-                metrics = self.train_step(next(batches))
-            self._check_finite(metrics)
-            metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
-            metrics["training/epoch"] = float(self.loader.epoch)
-            freq = trainer.test_freq
-            if self.val_dataset is not None and (self.global_step == self.total_steps
-                                                 or (freq > 0 and self.global_step % freq == 0)):
-                metrics.update(self.validate())
-            self.tracker.log(metrics, step=self.global_step)  # before the save (see PPOTrainer.fit)
-            if self.global_step == self.total_steps or (trainer.save_freq > 0
-                                                        and self.global_step % trainer.save_freq == 0):
-                self.save_checkpoint()
-            last = metrics
-        if trainer.export_hf:
-            self.wg.export_hf(os.path.join(trainer.default_local_dir, "hf_model"))
-        return last
+    @property
+    def loader(self):
+        return self.train_loader
+
+    def step(self) -> dict[str, float]:
+        timing = {}
+        with timer("step", timing):
+            metrics = self.train_step(self.next_train_batch())
+        self._check_finite(metrics, ("train/loss", "train/grad_norm"), "train/num_skipped_steps")
+        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics["training/epoch"] = float(self.train_loader.epoch)
+        return metrics
 
     def train_step(self, batch) -> dict[str, float]:
         """One optimizer step on a global batch; returns its metrics (the same on every rank)."""
@@ -72,19 +49,6 @@ class SupervisedTrainer:
     def eval_step(self, batch) -> dict[str, float]:
         """Validation metrics of one global batch."""
         return pop_metrics(self.wg.eval_step(batch))
-
-    def _iterate(self):
-        while True:
-            yield from self.loader
-
-    def _check_finite(self, metrics: dict) -> None:
-        bad = [k for k in ("train/loss", "train/grad_norm") if not math.isfinite(metrics.get(k, 0.0))]
-        if not bad:
-            return
-        msg = f"step {self.global_step}: non-finite {bad}; the optimizer step was not applied"
-        if self.config.trainer.nonfinite == "stop":
-            raise NonFiniteError(msg + f". The last checkpoint in {self.ckpt.root} is intact")
-        self.tracker.print(f"[tinyzero] warning: {msg} (trainer.nonfinite=skip)")
 
     def validate(self) -> dict[str, float]:
         """Mean validation metrics (rows beyond a multiple of the world size are left out)."""
@@ -100,50 +64,28 @@ class SupervisedTrainer:
             weight += len(idx)
         return {k: v / max(weight, 1) for k, v in sums.items()}
 
-    def save_checkpoint(self) -> None:
-        tmp = self.ckpt.begin_save(self.global_step)
+    def save_roles(self, tmp: str) -> None:
         self.wg.save_checkpoint(f"{tmp}/model", self.global_step)
-        save_trainer_state(tmp, {"global_step": self.global_step, "dataloader": self.loader.state_dict()})
-        self.ckpt.finalize(self.global_step, tmp)
 
-    def load_checkpoint(self) -> None:
-        t = self.config.trainer
-        step_dir = self.ckpt.resolve_resume(t.resume_from_path if t.resume_mode == "resume_path" else t.resume_mode)
-        if step_dir is None:
-            self.tracker.start(0)
-            return
-        state = load_trainer_state(step_dir)
+    def load_roles(self, step_dir: str, state: dict) -> None:
         self.wg.load_checkpoint(f"{step_dir}/model")
-        self.loader.load_state_dict(state["dataloader"])
-        self.global_step = int(state["global_step"])
-        self.tracker.start(self.global_step + 1)
-        self.tracker.print(f"[tinyzero] resumed from {step_dir} (step {self.global_step})")
 
-    def close(self) -> None:
-        self.tracker.close()
-        if self.config.trainer.plot and self.tracker.enabled:
-            draw_curves(self.config.trainer.default_local_dir, self.tracker)
+    def export_hf(self, out_dir: str) -> None:
+        self.wg.export_hf(out_dir)
 
 
 def build_supervised_trainer(cfg: Config, mode: str, dataset_cls) -> SupervisedTrainer:
     """Datasets, the worker group (mode "sft" or "rm"), loggers; every rank."""
     world_size = get_world_size()
-    check_world(cfg, world_size)
+    check_inputs(cfg, world_size)
     arr = cfg.actor_rollout_ref
-    check_model_path(arr.model.path)
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty; pass --data.train_files PATH.parquet")
-    tokenizer = load_tokenizer(arr.model.resolved_tokenizer_path, arr.model.trust_remote_code)
-    _, val_ds, loader, total = build_datasets(cfg, tokenizer, dataset_cls)
-    arr.actor.optim.total_training_steps = total
+    run = prepare_run(cfg, dataset_cls, {"actor_rollout_ref.actor.optim": arr.actor.optim})
     run_dir = write_run_config(cfg)
     wg = WorkerGroup(resource_pool=ResourcePool(ranks=list(range(world_size))),
                      cls_with_init=ClassWithInitArgs(SupervisedWorker, arr, mode))
     wg.init_model()
-    tracker = Tracking(run_dir, cfg.trainer.logger, total_steps=total, project=cfg.trainer.project_name,
-                       experiment=cfg.trainer.experiment_name, config=to_dict(cfg),
-                       progress_bar=cfg.trainer.progress_bar, enabled=get_rank() == 0)
-    return SupervisedTrainer(cfg, wg, loader, val_ds, tracker, total)
+    tracker = make_tracker(cfg, run_dir, run.total_steps)
+    return SupervisedTrainer(cfg, wg, run.train_loader, run.val_dataset, tracker, run.total_steps)
 
 
 def build_sft_trainer(cfg: Config) -> SupervisedTrainer:
