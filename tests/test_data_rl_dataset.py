@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tinyzero.data import DataConfig, RLHFDataset, StatefulDataLoader, build_rl_dataloaders, write_parquet
+from tinyzero.data import DataConfig, RLHFDataset, StatefulDataLoader, write_parquet
 from tinyzero.protocol import DataProto
 
 
@@ -166,13 +166,3 @@ def test_loader_state_mismatch_and_small_dataset(tokenizer, parquet_path):
         loader.load_state_dict({"epoch": 0, "batches_taken": 0, "seed": 0, "num_samples": 99})
     with pytest.raises(ValueError, match="fewer than one batch"):
         StatefulDataLoader(ds, batch_size=64)
-
-
-def test_build_rl_dataloaders(tokenizer, parquet_path):
-    cfg = DataConfig(train_files=[parquet_path], val_files=[parquet_path], max_prompt_length=200,
-                     apply_chat_template=False, train_batch_size=8)
-    train, val = build_rl_dataloaders(cfg, tokenizer)
-    assert len(train) == 2 and len(val) == 1
-    (vb,) = list(val)
-    assert len(vb) == 23 and list(vb.non_tensor_batch["index"]) == list(range(100, 123))
-    assert train.dataset.data_sources == ["arithmetic"]

@@ -5,8 +5,8 @@
     ds = RLHFDataset(["train.parquet"], tokenizer, DataConfig(max_prompt_length=256))
     loader = StatefulDataLoader(ds, batch_size=64, shuffle=True, seed=1)   # yields DataProto
 
-`build_rl_dataloaders(config, tokenizer)` builds the train and validation loaders the PPO
-trainer uses. Task generators live in `tinyzero.data.preprocess`.
+Every trainer builds its datasets and loader in `tinyzero.trainer.setup.prepare_run`. Task
+generators live in `tinyzero.data.preprocess`.
 """
 
 from tinyzero.data.config import TRUNCATION_MODES, DataConfig
@@ -30,7 +30,6 @@ __all__ = [
     "StatefulDataLoader",
     "StatefulSampler",
     "TRUNCATION_MODES",
-    "build_rl_dataloaders",
     "collate_to_dataproto",
     "compute_position_ids",
     "left_pad",
@@ -41,18 +40,3 @@ __all__ = [
     "write_parquet",
 ]
 
-
-def build_rl_dataloaders(config: DataConfig, tokenizer):
-    """(train_loader, val_loader or None) for PPO: a shuffled, resumable training loader and an
-    in-order validation loader (the whole set in one batch unless data.val_batch_size is set)."""
-    if not config.train_files:
-        raise ValueError("data.train_files is empty; give one or more RL parquet files")
-    train_ds = RLHFDataset(config.train_files, tokenizer, config)
-    train = StatefulDataLoader(train_ds, config.train_batch_size, shuffle=config.shuffle, seed=config.seed,
-                               drop_last=config.drop_last)
-    val = None
-    if config.val_files:
-        val_ds = RLHFDataset(config.val_files, tokenizer, config)
-        val = StatefulDataLoader(val_ds, config.val_batch_size or len(val_ds), shuffle=False,
-                                 drop_last=False)
-    return train, val

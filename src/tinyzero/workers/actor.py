@@ -36,10 +36,10 @@ from tinyzero.workers.config import ActorConfig
 from tinyzero.workers.forward import response_log_probs
 from tinyzero.workers.update import (
     accumulate_gradients,
-    mean_finite,
     mini_batches,
     optimizer_step,
     step_scheduler,
+    update_step_metrics,
 )
 
 # The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
@@ -167,7 +167,7 @@ class PPOActor(TrainedModel):
         data = data.select(batch_keys=keys)
         params = self.optimizer_params()
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
-        grad_norms, skipped = [], 0
+        steps = []  # (grad_norm, stepped) of each optimizer step
         measure = source != "actor" and "rollout_log_probs" in data.batch
         self._seen = [] if measure else None
         mismatch = {}
@@ -183,13 +183,10 @@ class PPOActor(TrainedModel):
                     self.dp_size, self.dp_group)
                 if self._seen is not None:  # measured before the first optimizer step only
                     mismatch = self._mismatch_metrics()
-                grad_norm, stepped = optimizer_step(self.optimizer, params, cfg.grad_clip, "actor")
-                grad_norms.append(grad_norm)
-                skipped += 0 if stepped else 1
+                steps.append(optimizer_step(self.optimizer, params, cfg.grad_clip, "actor"))
         lr = step_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else cfg.optim.lr
         self.num_updates += 1
-        steps = len(grad_norms)
-        metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
+        metrics = {name: float(v) / len(steps) for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
         metrics.update(mismatch)
         if cfg.entropy_coeff == 0 and source == "actor":
             metrics.pop("actor/entropy")
@@ -197,7 +194,5 @@ class PPOActor(TrainedModel):
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         else:
             metrics.pop("actor/kl_loss")
-        metrics["actor/grad_norm"] = mean_finite(grad_norms)
-        metrics["actor/lr"] = lr
-        metrics["actor/num_skipped_steps"] = float(skipped)
+        metrics.update(update_step_metrics("actor", steps, lr))
         return metrics

@@ -18,10 +18,10 @@ from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.forward import response_values
 from tinyzero.workers.update import (
     accumulate_gradients,
-    mean_finite,
     mini_batches,
     optimizer_step,
     step_scheduler,
+    update_step_metrics,
 )
 
 _STAT_NAMES = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -80,7 +80,7 @@ class PPOCritic(TrainedModel):
         data = data.select(batch_keys=keys)
         params = self.optimizer_params()
         stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
-        grad_norms = []
+        steps = []  # (grad_norm, stepped) of each optimizer step
         for epoch in range(cfg.ppo_epochs):
             seed = cfg.seed + 1000003 * self.num_updates + epoch
             for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
@@ -90,13 +90,9 @@ class PPOCritic(TrainedModel):
                 stats_sum += accumulate_gradients(micros, mini.batch["response_mask"], cfg.loss_agg_mode,
                                                   self._micro_loss, _STAT_KINDS, self.device, self.dp_size,
                                                   self.dp_group)
-                grad_norm, _ = optimizer_step(self.optimizer, params, cfg.grad_clip, "critic")
-                grad_norms.append(grad_norm)
+                steps.append(optimizer_step(self.optimizer, params, cfg.grad_clip, "critic"))
         lr = step_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else cfg.optim.lr
         self.num_updates += 1
-        steps = len(grad_norms)
-        metrics = {name: float(v) / steps for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
-        metrics["critic/grad_norm"] = mean_finite(grad_norms)
-        metrics["critic/lr"] = lr
-        metrics["critic/num_skipped_steps"] = float(sum(1 for g in grad_norms if g != g or abs(g) == float("inf")))
+        metrics = {name: float(v) / len(steps) for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
+        metrics.update(update_step_metrics("critic", steps, lr))
         return metrics

@@ -91,6 +91,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[nn.Paramet
     return grad_norm, stepped
 
 
+def update_step_metrics(role: str, steps: Sequence[tuple[float, bool]], lr: float) -> dict[str, float]:
+    """{role}/grad_norm (mean of the finite norms), {role}/lr and {role}/num_skipped_steps (steps a
+    non-finite norm skipped) of one update's optimizer_step results."""
+    return {f"{role}/grad_norm": mean_finite([norm for norm, _ in steps]), f"{role}/lr": lr,
+            f"{role}/num_skipped_steps": float(sum(not stepped for _, stepped in steps))}
+
+
 def mean_finite(values: Sequence[float]) -> float:
     """Mean of the finite values (nan when there are none)."""
     finite = [v for v in values if math.isfinite(v)]
