@@ -2,7 +2,7 @@
 
     export_hf(model, out_dir, hf_config=model.config, tokenizer=tok)   # every rank of the model's mesh
 
-Tensors are gathered one at a time (`DTensor.full_tensor()`), moved to CPU and handed to the
+Tensors are gathered one at a time (tinyzero.rollout.weight_sync's streamer), moved to CPU and handed to the
 first rank, which writes them in safetensors shards of at most `max_shard_bytes` plus
 `model.safetensors.index.json`; no rank ever holds the whole model on its accelerator, and
 rank 0 holds at most one shard on CPU. Tied weights are written once (as `save_pretrained`
@@ -22,30 +22,23 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from tinyzero.rollout.weight_sync import clean_param_name
+from tinyzero.rollout.weight_sync import iter_full_params, named_tensors
 
 
 def iter_export_tensors(model: nn.Module, dtype: torch.dtype | None = None):
-    """Yield (hf_name, full CPU tensor) for every persistent tensor, tied duplicates once. Collective."""
-    seen: set[int] = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
+    """Yield (hf_name, full CPU tensor) for every persistent tensor, tied duplicates once. Collective.
+
+    The weight-sync streamer gathers them (one tensor per bucket: one full tensor alive at a time);
+    `dtype` casts the floating-point ones."""
+    tied = {name for names, _ in named_tensors(model) for name in names[1:]}  # save_pretrained writes them once
+    for name, full in iter_full_params(model, bucket_bytes=1):
+        if name in tied:
             continue
-        seen.add(id(tensor))
-        if isinstance(tensor, DTensor):
-            mesh_type = tensor.device_mesh.device_type
-            if tensor.device.type != mesh_type:  # offloaded shards: gather on the mesh's device
-                dev = torch.device(mesh_type, torch.cuda.current_device()) if mesh_type == "cuda" else mesh_type
-                tensor = tensor.to(dev)
-            full = tensor.full_tensor()
-        else:
-            full = tensor
         full = full.detach()
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
-        yield clean_param_name(name), full.to("cpu", copy=True).contiguous()
+        yield name, full.to("cpu", copy=True).contiguous()
 
 
 def _rank(group) -> int:

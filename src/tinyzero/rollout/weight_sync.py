@@ -39,9 +39,17 @@ def _full_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()  # DTensor numel is the global size
 
 
+def _offloaded(t: torch.Tensor) -> bool:
+    """A DTensor whose shard lives off its mesh's device (FSDP2 CPUOffloadPolicy)."""
+    return hasattr(t, "device_mesh") and t.device.type != t.device_mesh.device_type
+
+
 def _gather(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     t = t.detach()
     if hasattr(t, "full_tensor"):  # DTensor (FSDP2 / TP shard)
+        if _offloaded(t):  # gather on the mesh's device
+            mesh_type = t.device_mesh.device_type
+            t = t.to(torch.device(mesh_type, torch.cuda.current_device()) if mesh_type == "cuda" else mesh_type)
         t = t.full_tensor()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
@@ -97,7 +105,7 @@ def _dim0_shard_group(t: torch.Tensor):
     replicated on any others), else None."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if not isinstance(t, DTensor) or t.ndim == 0:
+    if not isinstance(t, DTensor) or t.ndim == 0 or _offloaded(t):
         return None
     *outer, last = t.placements
     if last != Shard(0) or any(p != Replicate() for p in outer):
