@@ -64,7 +64,8 @@ class TrainerConfig:
     placement: Literal["colocate", "split"] = "colocate"
     """"colocate": actor/rollout, ref, critic and reward model share every rank (one process per rank
     holds them all). "split": actor/rollout/ref on the first `actor_pool_size` ranks, critic and
-    reward model on the rest; the two pools compute concurrently."""
+    reward model on the rest; the critic's values and update run while the policy pool computes
+    log-probs and updates the actor."""
     actor_pool_size: int = 0
     """Split placement only: ranks of the actor pool (0 = half the world)."""
     critic_warmup: int = 0
@@ -234,9 +235,20 @@ def check_dapo(cfg: Config) -> None:
                           "algorithm.use_kl_in_reward=false")
 
 
+def check_lora(cfg: Config) -> None:
+    """LoRA trains the PPO-family actor only (the reference is its base; see tinyzero.models.lora)."""
+    if cfg.critic.model.lora_rank:
+        raise ConfigError(f"critic.model.lora_rank={cfg.critic.model.lora_rank}: LoRA applies to the actor only; "
+                          "set critic.model.lora_rank=0")
+    if cfg.actor_rollout_ref.model.lora_rank and cfg.trainer.mode != "ppo":
+        raise ConfigError(f"actor_rollout_ref.model.lora_rank with trainer.mode={cfg.trainer.mode!r}: LoRA is "
+                          "supported for PPO-family runs (trainer.mode=ppo); set lora_rank=0")
+
+
 def check_config(cfg: Config) -> None:
     """Checks that need no world size (run when the config is built)."""
     arr = cfg.actor_rollout_ref
+    check_lora(cfg)
     if cfg.trainer.mode != "ppo":
         return
     n = arr.rollout.n
