@@ -68,6 +68,18 @@ class TrainerConfig:
     log-probs and updates the actor."""
     actor_pool_size: int = 0
     """Split placement only: ranks of the actor pool (0 = half the world)."""
+    max_staleness: int = 0
+    """Asynchronous RL (tinyzero.trainer.async_pipeline): the rollout pool generates up to this many
+    batches ahead of the trainer pool, so samples are at most this many actor updates old (1 =
+    veRL's one-step off-policy). 0 (default): on-policy; the synchronous loop unless
+    rollout_pool_size > 0. Needs an off-policy correction (actor_rollout_ref.actor.tis_imp_ratio_cap
+    > 0 or actor_rollout_ref.rollout.use_rollout_log_probs=true) unless allow_uncorrected_staleness."""
+    rollout_pool_size: int = 0
+    """Ranks of the rollout pool of the asynchronous pipeline (the last ranks; actor, reference and
+    critic share the others). 0 = half the world when max_staleness > 0; > 0 with max_staleness=0
+    runs the pipeline on-policy (generation and training take turns on their own pools)."""
+    allow_uncorrected_staleness: bool = False
+    """Accept max_staleness > 0 without an off-policy correction (stale samples trained as on-policy)."""
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts learning (GAE only)."""
     balance_batch: bool = True
@@ -130,6 +142,9 @@ class TrainerConfig:
             if name not in known:
                 raise ConfigError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
                                  f"choose from {list(known)}")
+        for name in ("max_staleness", "rollout_pool_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
         for name in ("total_epochs",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1 (got {getattr(self, name)})")
@@ -245,6 +260,34 @@ def check_lora(cfg: Config) -> None:
                           "supported for PPO-family runs (trainer.mode=ppo); set lora_rank=0")
 
 
+def check_async(cfg: Config) -> None:
+    """The asynchronous pipeline (trainer.max_staleness / rollout_pool_size; see trainer.async_pipeline)."""
+    t, arr = cfg.trainer, cfg.actor_rollout_ref
+    if not (t.max_staleness or t.rollout_pool_size):
+        return
+    what = f"trainer.max_staleness={t.max_staleness}, trainer.rollout_pool_size={t.rollout_pool_size}"
+    if arr.rollout.name == "vllm":
+        raise ConfigError(f"{what}: vLLM (external_launcher) needs every rank of the world, but the pipeline runs "
+                          "the rollout on its own pool; set actor_rollout_ref.rollout.name=native")
+    if t.placement != "colocate":
+        raise ConfigError(f"{what}: the pipeline splits rollout and training itself (actor, reference and critic "
+                          "share the trainer pool); leave trainer.placement=colocate")
+    corrected = arr.actor.tis_imp_ratio_cap > 0 or arr.rollout.use_rollout_log_probs
+    if t.max_staleness and not corrected and not t.allow_uncorrected_staleness:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} trains on samples of an older policy: set "
+                          "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0 (truncated importance sampling) or "
+                          "actor_rollout_ref.rollout.use_rollout_log_probs=true (the rollout policy as the PPO old "
+                          "policy), or trainer.allow_uncorrected_staleness=true to train without a correction")
+    unsupported = {"algorithm.filter_groups.enable": cfg.algorithm.filter_groups.enable,
+                   "actor_rollout_ref.model.lora_rank": arr.model.lora_rank,
+                   f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline rollout)":
+                       getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "needs_baseline", False)}
+    for name, value in unsupported.items():
+        if value:
+            raise ConfigError(f"{what}: {name} is not supported by the asynchronous pipeline; turn it off or "
+                              "set trainer.max_staleness=0 and trainer.rollout_pool_size=0")
+
+
 def check_config(cfg: Config) -> None:
     """Checks that need no world size (run when the config is built)."""
     arr = cfg.actor_rollout_ref
@@ -264,6 +307,7 @@ def check_config(cfg: Config) -> None:
                       f"samples per prompt, so {cfg.algorithm.adv_estimator}'s group advantages are all 0; set "
                       "do_sample=true to train on them", stacklevel=2)
     check_dapo(cfg)
+    check_async(cfg)
     if arr.actor.policy_loss.loss_mode not in POLICY_LOSSES:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} is "
                          f"unknown; use one of {sorted(POLICY_LOSSES)} or register one with register_policy_loss")

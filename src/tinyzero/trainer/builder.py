@@ -5,7 +5,8 @@
 
 Placement ("trainer.placement"): "colocate" puts actor/rollout/ref, critic and reward model in
 one process per rank on one pool (create_colocated_worker_cls); "split" puts the policy on
-the first ranks and critic + reward model on the rest, so their work overlaps.
+the first ranks and critic + reward model on the rest, so the critic's values and update overlap
+the policy's log-probs and update (PPOTrainer.forward_passes / update_models).
 """
 
 from __future__ import annotations
@@ -94,10 +95,17 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     reward_fn.check_data_sources(_data_sources(run.train_dataset, run.val_dataset))
     val_reward_fn = RewardManager(run.tokenizer, cfg.reward)
     run_dir = write_run_config(cfg)
-    roles = build_roles(cfg, world_size)
+    trainer_cls, extra = PPOTrainer, {}
+    if cfg.trainer.max_staleness or cfg.trainer.rollout_pool_size:  # rollout on its own pool, ahead of training
+        from tinyzero.trainer.async_pipeline import AsyncPPOTrainer, build_async_roles
+
+        roles, rollout, bridge = build_async_roles(cfg, world_size)
+        trainer_cls, extra = AsyncPPOTrainer, {"rollout": rollout, "bridge_ranks": bridge}
+    else:
+        roles = build_roles(cfg, world_size)
     tracker = make_tracker(cfg, run_dir, run.total_steps)
-    trainer = PPOTrainer(cfg, roles, run.tokenizer, run.train_loader, run.val_dataset, reward_fn, val_reward_fn,
-                         tracker, run.total_steps, world_size, get_device())
+    trainer = trainer_cls(cfg, roles, run.tokenizer, run.train_loader, run.val_dataset, reward_fn, val_reward_fn,
+                          tracker, run.total_steps, world_size, get_device(), **extra)
     trainer.hf_config = hf_config
     return trainer
 

@@ -67,8 +67,7 @@ class PPOTrainer(Driver):
                 batch = self.rollout(self.next_batch(), timing, metrics)
             batch = self.score(batch, timing, metrics)
             batch = self.compute_advantages(batch, timing, metrics)
-            self.update_critic(batch, timing, metrics)
-            self.update_actor(batch, timing, metrics)
+            self.update_models(batch, timing, metrics)
         metrics.update(self.step_metrics(batch, timing))
         return metrics
 
@@ -116,23 +115,23 @@ class PPOTrainer(Driver):
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         source = self.old_log_prob_source()
         batch.meta_info["old_log_probs_source"] = source
+        # Every pass is called before any result is read: with trainer.placement=split the critic's
+        # values are computed while the policy pool computes log-probs (results cross pools at the union).
+        outs = []
         if source == "actor":
             with timer("old_log_prob", timing):
-                old = self.roles.actor_rollout.compute_log_prob(batch)
-                metrics.update(pop_metrics(old))
-                batch = batch.union(old)
+                outs.append(self.roles.actor_rollout.compute_log_prob(batch))
         elif self.config.algorithm.use_kl_in_reward:  # the in-reward KL reads old_log_probs
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         if self.config.use_reference:
             with timer("ref", timing):
-                ref = self.roles.actor_rollout.compute_ref_log_prob(batch)
-                metrics.update(pop_metrics(ref))
-                batch = batch.union(ref)
+                outs.append(self.roles.actor_rollout.compute_ref_log_prob(batch))
         if self.roles.critic is not None:
             with timer("values", timing):
-                values = self.roles.critic.compute_values(batch)
-                metrics.update(pop_metrics(values))
-                batch = batch.union(values)
+                outs.append(self.roles.critic.compute_values(batch))
+        for out in outs:
+            metrics.update(pop_metrics(out))
+            batch = batch.union(out)
         return batch
 
     def add_reward_baselines(self, batch: DataProto, gen_batch: DataProto, timing: dict) -> None:
@@ -249,22 +248,34 @@ class PPOTrainer(Driver):
                                      num_repeat=self.config.actor_rollout_ref.rollout.n,
                                      norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
 
-    def update_critic(self, batch: DataProto, timing: dict, metrics: dict) -> None:
-        if self.roles.critic is None:
-            return
-        with timer("update_critic", timing):
-            out = merge_worker_metrics(self.roles.critic.update_critic(batch))
-        self._check_finite(out, ("critic/vf_loss", "critic/grad_norm"), "critic/num_skipped_steps")
-        metrics.update(out)
+    def update_models(self, batch: DataProto, timing: dict, metrics: dict) -> None:
+        """The critic update, then the actor update (after critic_warmup steps). Both are called before
+        either result is read, so with trainer.placement=split the two pools update at the same time."""
+        critic = self.update_critic(batch, timing)
+        actor = self.update_actor(batch, timing)
+        if critic is not None:
+            out = merge_worker_metrics(critic)  # the critic pool's metrics reach the policy pool here
+            self._check_finite(out, ("critic/vf_loss", "critic/grad_norm"), "critic/num_skipped_steps")
+            metrics.update(out)
+        if actor is not None:
+            out = merge_worker_metrics(actor)
+            self._check_finite(out, ("actor/pg_loss", "actor/grad_norm"), "actor/num_skipped_steps")
+            metrics.update(out)
 
-    def update_actor(self, batch: DataProto, timing: dict, metrics: dict) -> None:
+    def update_critic(self, batch: DataProto, timing: dict):
+        """Start the critic update; its per-worker metrics (lazy on ranks outside the critic pool), or None."""
+        if self.roles.critic is None:
+            return None
+        with timer("update_critic", timing):
+            return self.roles.critic.update_critic(batch)
+
+    def update_actor(self, batch: DataProto, timing: dict):
+        """Start the actor update; its per-worker metrics, or None during critic warmup."""
         if self.global_step <= self.config.trainer.critic_warmup:
-            return
+            return None
         batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         with timer("update_actor", timing):
-            out = merge_worker_metrics(self.roles.actor_rollout.update_actor(batch))
-        self._check_finite(out, ("actor/pg_loss", "actor/grad_norm"), "actor/num_skipped_steps")
-        metrics.update(out)
+            return self.roles.actor_rollout.update_actor(batch)
 
     # ------------------------------------------------------------------ validation, metrics, samples
     def validate(self) -> dict[str, float]:
