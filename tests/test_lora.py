@@ -262,3 +262,63 @@ def test_merged_stream_equals_the_adapted_model(tiny_model_dir):
     ids = torch.randint(3, 250, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=1e-9)
+
+
+def _vllm_lora_worker(model_dir: str):
+    """vLLM (merged adapted layers) and the native engine (adapter-only sync) against HF generate of the
+    LoRA model, for two successive adapter versions."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_rollout_vllm import _prompts as text_prompts
+    from tinyzero.models.lora import LoraSpec, apply_lora, lora_layers, sync_adapters
+    from tinyzero.rollout import RolloutConfig, build_rollout
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    apply_lora(trainer, LoraSpec(RANK, ALPHA, ("q_proj", "v_proj", "down_proj")))
+    batch = text_prompts(tok, ["What is 2+3?", "Hello there", "Count: 1 2 3", "abc"])
+    batch.meta_info.update(do_sample=False, n=1)
+    common = dict(response_length=RESPONSE_LEN * 3, prompt_length=32, dtype="fp32", max_num_seqs=8, seed=1)
+    engines = {name: build_rollout(RolloutConfig(name=name, **common), model_dir, tok, device="cpu", dp_rank=0)
+               for name in ("vllm", "native")}
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for version in range(2):
+        for layer in lora_layers(trainer).values():
+            with torch.no_grad():
+                layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
+        ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+        with torch.no_grad():
+            ref = trainer.generate(ids, attention_mask=mask, max_new_tokens=common["response_length"],
+                                   do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        step = {"hf": ref[:, ids.shape[1]:].tolist()}
+        for name, engine in engines.items():
+            engine.wake_up(["weights"])
+            sync_adapters(trainer, engine, 64 << 10, with_base=version == 0)  # the engine's first sync
+            engine.wake_up(["kv_cache"])
+            step[name] = engine.generate_sequences(batch).batch["responses"].tolist()
+            engine.sleep()
+        out.append(step)
+    engines["vllm"].shutdown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_and_native_engines_serve_the_lora_policy(tmp_path):
+    from tinyzero.models.tiny import build_tiny_model
+    from tinyzero.rollout.vllm_backend import vllm_available
+
+    reason = vllm_available()
+    if reason is not None:
+        pytest.skip(f"needs vllm: {reason}")
+    build_tiny_model(str(tmp_path), seed=0, num_heads=2, num_kv_heads=1)  # head_dim 32 for vLLM's CPU kernels
+    (steps,) = run_distributed(_vllm_lora_worker, 1, str(tmp_path), timeout=600)
+    for step in steps:
+        for name in ("vllm", "native"):
+            for got, want in zip(step[name], step["hf"]):
+                assert got[:len(want)] == want, (name, step)
+    assert steps[0]["hf"] != steps[1]["hf"]  # the second adapter version changed the policy

