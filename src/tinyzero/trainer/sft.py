@@ -19,7 +19,7 @@ from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.loop import Driver, pop_metrics
 from tinyzero.trainer.metrics import timer
 from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
-from tinyzero.trainer.supervised import SupervisedWorker
+from tinyzero.workers.supervised import SupervisedWorker
 
 
 class SupervisedTrainer(Driver):
