@@ -73,6 +73,7 @@ def lora_rank_fn(model_dir: str, out_dir: str):
     torch.set_num_threads(1)
     set_seed(0)
     cfg = _lora_configs(model_dir)
+    cfg.model.lora_export_merged = True
     worker = ActorRolloutRefWorker(cfg, "actor_rollout_ref")
     worker.init_model()
     assert worker.ref.model is worker.actor.model  # no second copy of the weights
@@ -220,6 +221,16 @@ def test_exported_adapter_loads_back(run, tiny_model_dir):
     assert keys == {"base_model.model." + n for n in res["trainable"]}
     model = load_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), adapter)
     _assert_greedy(model, res["gen"], tiny_model_dir)
+
+
+def test_merged_export_is_a_plain_hf_model_of_the_policy(run, tiny_model_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    res, out_dir = run
+    merged = os.path.join(out_dir, "adapter", "merged")
+    assert not any(".lora_" in k for k in load_file(os.path.join(merged, "model.safetensors")))
+    _assert_greedy(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), res["gen"], tiny_model_dir)
 
 
 def test_exported_adapter_loads_in_peft(run, tiny_model_dir):
