@@ -62,3 +62,18 @@ def test_dpo_settings_name_real_fields():
         section, attr = name.rsplit(".", 1)
         assert hasattr(attrgetter(section)(cfg), attr), name
         assert type(getattr(attrgetter(section)(cfg), attr)) is type(value) and why
+
+
+def test_derived_rollout_lengths_warn_when_the_user_set_them():
+    from tinyzero.config import Config, sync_derived_fields
+
+    cfg = Config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 32
+    _, msgs = _caught(lambda: sync_derived_fields(cfg))
+    assert msgs == [] and cfg.actor_rollout_ref.rollout.prompt_length == 64  # defaults follow data silently
+    cfg = Config()
+    cfg.data.max_prompt_length, cfg.actor_rollout_ref.rollout.prompt_length = 64, 100
+    _, msgs = _caught(lambda: sync_derived_fields(cfg))
+    assert cfg.actor_rollout_ref.rollout.prompt_length == 64
+    assert msgs == ["actor_rollout_ref.rollout.prompt_length=100 is overridden with 64: it follows "
+                    "data.max_prompt_length (set that instead)"]

@@ -329,14 +329,21 @@ def check_config(cfg: Config) -> None:
 
 def sync_derived_fields(cfg: Config) -> Config:
     """Copy the values one section derives from another (veRL does this with ${...} interpolation)."""
+    from tinyzero.overrides import override
+
     arr = cfg.actor_rollout_ref
-    arr.rollout.prompt_length = cfg.data.max_prompt_length
-    arr.rollout.response_length = cfg.data.max_response_length
-    cfg.critic.rollout_n = arr.rollout.n
+    override(arr.rollout, "prompt_length", cfg.data.max_prompt_length, "actor_rollout_ref.rollout.prompt_length",
+             "it follows data.max_prompt_length (set that instead)")
+    override(arr.rollout, "response_length", cfg.data.max_response_length, "actor_rollout_ref.rollout.response_length",
+             "it follows data.max_response_length (set that instead)")
+    override(cfg.critic, "rollout_n", arr.rollout.n, "critic.rollout_n", "it follows actor_rollout_ref.rollout.n")
     # veRL's default: the rollout's log-prob pass batches like the actor's update unless set apart.
     if arr.actor.use_dynamic_bsz and not arr.rollout.log_prob_use_dynamic_bsz:
         arr.rollout.log_prob_use_dynamic_bsz = True
-        arr.rollout.log_prob_max_token_len_per_gpu = arr.actor.ppo_max_token_len_per_gpu
+        override(arr.rollout, "log_prob_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
+                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                 "the log-prob pass batches like the dynamic actor update unless "
+                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true sets it apart")
     if not cfg.critic.model.path:
         cfg.critic.model.path = arr.model.path
     if not cfg.critic.model.tokenizer_path:
