@@ -46,7 +46,7 @@ from tinyzero.workers.packing import packing_mode, prepare_attention
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
 
 
 class ActorRolloutRefWorker(Worker):
@@ -58,9 +58,9 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError(f"role={role!r} is unknown; use one of {list(ROLES)}")
         self.config = config
         self.role = role
-        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref", "actor_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref", "actor_ref")
         tp = int(getattr(config.rollout, "tensor_model_parallel_size", 1) or 1)
         if self._is_rollout:
             if self.world_size % tp:
@@ -222,6 +222,46 @@ class ActorRolloutRefWorker(Worker):
         if memory_metrics is not None:
             metrics.update(memory_metrics())
         return out
+
+    # ------------------------------------------------------------------ weights across pools
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self, bridge_ranks: list[int]) -> float:
+        """Trainer pool (tinyzero.trainer.async_pipeline): gather the actor's full parameters bucket by
+        bucket; the pool's first rank broadcasts them over the bridge group to the rollout pool.
+        Returns the float64 checksum of what was sent (0.0 on the other ranks)."""
+        from tinyzero.rollout.weight_bridge import bridge_group, send_params
+        from tinyzero.rollout.weight_sync import iter_full_params
+
+        if self.actor is None:
+            raise ValueError(f"send_weights needs the actor role; this worker is {self.role!r}")
+        bucket = int(self.config.rollout.weight_sync_bucket_mb) * 2**20
+        with on_device(self.actor.model, self.config.actor.fsdp_config, self.device):
+            return send_params(iter_full_params(self.actor.model, bucket), bridge_group(bridge_ranks),
+                               src=bridge_ranks[0], send=self.rank == 0, bucket_bytes=bucket)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def receive_weights(self, bridge_ranks: list[int]) -> float:
+        """Rollout pool: load the weights send_weights broadcasts into the engine. Returns the float64
+        checksum of the engine's copy of them (of the received tensors if the engine has no torch model)."""
+        from tinyzero.rollout.weight_bridge import bridge_group, checksum, receive_params
+
+        if self.rollout is None:
+            raise ValueError(f"receive_weights needs the rollout role; this worker is {self.role!r}")
+        received = {}
+
+        def stream():
+            for name, tensor in receive_params(bridge_group(bridge_ranks), bridge_ranks[0], self.device):
+                received[name] = tensor
+                yield name, tensor
+
+        self.rollout.wake_up(tags=["weights"])
+        try:
+            self.rollout.update_weights(stream())
+            model = getattr(self.rollout, "model", None)
+            held = model.state_dict() if hasattr(model, "state_dict") else received
+            return checksum((name, held.get(name, received[name])) for name in received)
+        finally:
+            self.rollout.sleep()
 
     # ------------------------------------------------------------------ log-probs
     def _log_prob_settings(self, data: DataProto):

@@ -1,0 +1,101 @@
+"""Weights from the trainer pool to a rollout pool on other ranks: a bucketed broadcast.
+
+The asynchronous pipeline (tinyzero.trainer.async_pipeline) keeps the rollout engine on ranks
+that hold no actor. After each actor update the trainer pool streams the full parameters
+(`weight_sync.iter_full_params`: every trainer rank takes part in the FSDP gathers) and the
+trainer pool's first rank broadcasts them over a "bridge" process group made of itself and the
+rollout ranks (gloo on CPU, NCCL on GPU). A bucket travels as one header object (names, shapes,
+dtypes) and one flat byte buffer; a `None` header ends the stream. The rollout ranks rebuild the
+tensors and hand them to `engine.update_weights`.
+
+    open_bridge([0, 2, 3])                            # every rank of the world, in the driver
+    send_params(stream, bridge_group(ranks), src=0, send=rank == 0, bucket_bytes=...)   # trainer pool
+    engine.update_weights(receive_params(bridge_group(ranks), src=0, device=device))    # rollout pool
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["open_bridge", "bridge_group", "send_params", "receive_params", "checksum"]
+
+_BRIDGES: dict[tuple[int, ...], object] = {}
+
+
+def open_bridge(ranks: list[int]) -> None:
+    """Create the bridge group over `ranks`. Collective over the whole world (dist.new_group):
+    every rank calls it, in the same order, before any worker uses the group."""
+    from tinyzero.single_controller.failure import collective_timeout_s
+
+    key = tuple(int(r) for r in ranks)
+    if key not in _BRIDGES:
+        _BRIDGES[key] = dist.new_group(list(key), timeout=timedelta(seconds=collective_timeout_s()),
+                                       group_desc="weight_bridge")
+
+
+def bridge_group(ranks: list[int]):
+    """The group open_bridge(ranks) created."""
+    key = tuple(int(r) for r in ranks)
+    if key not in _BRIDGES:
+        raise ValueError(f"no weight bridge over ranks {list(key)}: call open_bridge({list(key)}) on every rank first")
+    return _BRIDGES[key]
+
+
+def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Sum of every tensor's float64 sum (a cheap fingerprint of a set of weights)."""
+    return float(sum(float(t.detach().double().sum()) for _, t in named))
+
+
+def _padding(nbytes: int) -> int:
+    return -nbytes % 8
+
+
+def _send_bucket(parts: list, group, src: int) -> None:
+    header = [[(name, shape, dtype) for name, shape, dtype, _ in parts]]
+    dist.broadcast_object_list(header, src=src, group=group)
+    flat = torch.cat([raw for *_, raw in parts])
+    dist.broadcast(flat, src=src, group=group)
+
+
+def send_params(stream: Iterator[tuple[str, torch.Tensor]], group, src: int, send: bool, bucket_bytes: int) -> float:
+    """Drain `stream` (every trainer rank must: it gathers shards); the sending rank broadcasts it
+    in buckets of about `bucket_bytes`. Returns the checksum of what was sent (0.0 where send is False)."""
+    if not send:
+        for _ in stream:
+            pass
+        return 0.0
+    parts, size, total = [], 0, 0.0
+    for name, tensor in stream:
+        total += float(tensor.detach().double().sum())
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        raw = torch.cat([raw, raw.new_zeros(_padding(raw.numel()))])  # every tensor starts 8-byte aligned
+        if parts and size + raw.numel() > bucket_bytes:
+            _send_bucket(parts, group, src)
+            parts, size = [], 0
+        parts.append((name, tuple(tensor.shape), tensor.dtype, raw.clone()))
+        size += raw.numel()
+    if parts:
+        _send_bucket(parts, group, src)
+    dist.broadcast_object_list([None], src=src, group=group)
+    return total
+
+
+def receive_params(group, src: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as the sending rank broadcasts them, one bucket at a time."""
+    while True:
+        header = [None]
+        dist.broadcast_object_list(header, src=src, group=group)
+        if header[0] is None:
+            return
+        sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+                 for _, shape, dtype in header[0]]
+        flat = torch.empty(sum(n + _padding(n) for n in sizes), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for (name, shape, dtype), nbytes in zip(header[0], sizes):
+            yield name, flat[offset:offset + nbytes].view(dtype).reshape(shape)
+            offset += nbytes + _padding(nbytes)

@@ -1,0 +1,284 @@
+"""Asynchronous RL in one torchrun world: a rollout pool generates while the trainer pool trains.
+
+`trainer.max_staleness=K` (K >= 1; or `trainer.rollout_pool_size > 0` with K=0 for the same pools
+on-policy) puts a rollout-only ActorRolloutRefWorker (native engine) on the last
+`rollout_pool_size` ranks and the actor, reference and critic on the others. Every rank runs
+the same driver (SPMD). Worker calls compute on their pool at call time and hand their result
+to the other ranks when it is first used (single_controller/future.py), so
+
+    gen_next = rollout_wg.generate_sequences(batch_{k+1})   # rollout ranks compute
+    actor_wg.update_actor(batch_k)                          # trainer ranks compute (issued first)
+
+runs the two at once. One step k:
+
+    1. take the oldest in-flight generation (batch k) and score it (every rank)
+    2. old log-probs / reference / values, advantages (trainer pool)
+    3. issue the critic and actor updates, then top the queue up to K in-flight generations
+       (the rollout pool generates them now, with the weights it holds: version k-1 at K=1)
+    4. wait for the in-flight generations, then broadcast the new weights (version k) from the
+       trainer pool's first rank to the rollout pool (rollout/weight_bridge.py, bucketed)
+
+So batch j is generated with version max(0, j-K-1) and trained at version j-1: staleness K after
+the K warm-up steps, never more (checked every step). Only the updates overlap generation: step
+2's results feed the driver on every rank, and a result crossing pools is a rendezvous.
+
+Every sample carries its weight version (non-tensor "weight_version"). Metrics: async/staleness/
+{mean,max,frac_<s>}, async/queue_depth, async/rollout_idle_frac (1 - the rollout ranks' time
+generating and loading weights / step time), async/trainer_idle_frac (the trainer ranks' wait for
+generations / step time), async/weight_version, async/weight_checksum/{trainer,rollout} (float64
+sums of the weights sent and of the engine's copy).
+
+Checkpoints: the queue is drained at every planned save (no generation is issued past the next
+save step), so a resumed run continues exactly as the uninterrupted one. A save at an unplanned
+step (a signal) rewinds the data cursor to the oldest in-flight batch instead; the resumed run
+regenerates it with the saved weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch.distributed as dist
+
+from tinyzero.protocol import DataProto
+from tinyzero.rollout.weight_bridge import open_bridge
+from tinyzero.single_controller import (
+    ClassWithInitArgs,
+    ResourcePool,
+    WorkerGroup,
+    create_colocated_worker_cls,
+)
+from tinyzero.single_controller.future import flush_pending, materialize
+from tinyzero.trainer.checkpoint import save_trainer_state
+from tinyzero.trainer.loop import pop_metrics
+from tinyzero.trainer.metrics import timer
+from tinyzero.trainer.ppo import GEN_KEYS, GEN_NON_TENSOR_KEYS, PPOTrainer
+
+
+@dataclass
+class Flight:
+    """One generation in flight: the prompt batch it was issued for and what it was issued with."""
+
+    index: int          # the step that trains on it
+    prompts: DataProto  # the prompt batch without the generation keys
+    gen: object         # the (lazy) generate_sequences result
+    version: int        # actor updates in the rollout engine's weights
+    cursor: dict        # the data loader's state before this batch was drawn
+
+
+def pool_ranks(cfg, world_size: int) -> tuple[list[int], list[int]]:
+    """(trainer pool ranks, rollout pool ranks): the rollout pool is the last rollout_pool_size ranks."""
+    from tinyzero.config import ConfigError
+
+    size = cfg.trainer.rollout_pool_size or world_size // 2
+    if not 0 < size < world_size:
+        raise ConfigError(f"trainer.rollout_pool_size={cfg.trainer.rollout_pool_size} must leave ranks for the trainer "
+                          f"pool (1..{world_size - 1}) with {world_size} ranks; the pipeline needs >= 2 ranks")
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if size % tp or cfg.data.train_batch_size % (size // tp):
+        raise ConfigError(f"trainer.rollout_pool_size={size}: the rollout pool's {size // max(tp, 1)} data-parallel "
+                          f"groups must divide data.train_batch_size={cfg.data.train_batch_size}")
+    trainer = world_size - size
+    return list(range(trainer)), list(range(trainer, world_size))
+
+
+def build_async_roles(cfg, world_size: int):
+    """(Roles on the trainer pool, the rollout WorkerGroup, the bridge ranks); opens the bridge group."""
+    from tinyzero.trainer.builder import Roles
+    from tinyzero.workers.actor_worker import ActorRolloutRefWorker
+    from tinyzero.workers.critic_worker import CriticWorker
+    from tinyzero.workers.reward_model import RewardModelWorker
+
+    trainer_ranks, rollout_ranks = pool_ranks(cfg, world_size)
+    classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref,
+                                                  "actor_ref" if cfg.use_reference else "actor")}
+    if cfg.use_critic:
+        classes["critic"] = ClassWithInitArgs(CriticWorker, cfg.critic)
+    if cfg.reward_model.enable:
+        classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
+    trainer_pool = ResourcePool(ranks=trainer_ranks, name="trainer")
+    rollout_pool = ResourcePool(ranks=rollout_ranks, name="rollout")
+    wgs = WorkerGroup(resource_pool=trainer_pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
+        prefix_set=set(classes))
+    rollout = WorkerGroup(resource_pool=rollout_pool,
+                          cls_with_init=ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, "rollout"))
+    bridge = [trainer_ranks[0], *rollout_ranks]
+    open_bridge(bridge)
+    for name in ("critic", "reward_model", "actor_rollout"):
+        if name in wgs:
+            wgs[name].init_model()
+    rollout.init_model()
+    flush_pending()  # deliver the init results now: nothing may be left crossing pools before the first sync
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    roles = Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
+                  actor_rollout_dp_size=len(trainer_ranks), rollout_dp_size=len(rollout_ranks) // tp)
+    return roles, rollout, bridge
+
+
+class AsyncPPOTrainer(PPOTrainer):
+    """PPOTrainer whose generations come from a rollout pool, up to trainer.max_staleness updates ahead."""
+
+    def __init__(self, *args, rollout, bridge_ranks: list[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rollout_wg = rollout
+        self.bridge_ranks = bridge_ranks
+        self.max_staleness = self.config.trainer.max_staleness
+        self.queue: deque[Flight] = deque()
+        self.next_index = 1         # the step the next drawn batch is for
+        self.policy_version = 0     # actor updates applied
+        self.rollout_version = None  # actor updates in the engine's weights (None: not synced yet)
+        self.checksums = {"trainer": 0.0, "rollout": 0.0}
+        self._clock: dict[str, float] = {}
+        self._staleness = 0
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict[str, float]:
+        metrics, timing = {}, {}
+        self._clock = {"gen": 0.0, "wait_gen": 0.0, "receive": 0.0}
+        with timer("step", timing):
+            self.ensure_synced()
+            if not self.queue:
+                self.submit(timing)
+            batch = self.receive(self.queue.popleft(), timing, metrics)
+            batch = self.compute_scores(batch, timing, metrics)
+            batch = self.forward_passes(batch, timing, metrics)
+            batch = self.score(batch, timing, metrics)
+            batch = self.compute_advantages(batch, timing, metrics)
+            self.update_models(batch, timing, metrics)  # update_actor tops the queue up
+            if self.global_step > self.config.trainer.critic_warmup:
+                self.policy_version += 1
+            self.sync_weights(timing)
+        clocks = self.gather_clocks(timing["step"])
+        timing["gen"] = clocks["rollout"]["gen"]  # the rollout pool's generation time (not the trainer's wait)
+        metrics.update(self.step_metrics(batch, timing))
+        metrics.update(self.pipeline_metrics(clocks))
+        return metrics
+
+    def update_actor(self, batch: DataProto, timing: dict):
+        """Issue the actor update (the trainer pool computes it now), then the next generations (the
+        rollout pool computes them now): the two overlap until either result is read."""
+        out = super().update_actor(batch, timing)
+        self.fill_queue(timing)
+        return out
+
+    # ------------------------------------------------------------------ the queue
+    def _boundary(self) -> int:
+        """The last step a generation may be issued for: the next planned save (the queue drains there)."""
+        freq, step = self.config.trainer.save_freq, max(self.global_step, 1)
+        last = self.total_steps
+        return min(last, -(-step // freq) * freq) if freq > 0 else last
+
+    def fill_queue(self, timing: dict) -> None:
+        while len(self.queue) < self.max_staleness and self.next_index <= self._boundary():
+            self.submit(timing)
+
+    def submit(self, timing: dict) -> None:
+        """Draw the prompts of step next_index and issue their generation on the rollout pool."""
+        index, step = self.next_index, self.global_step
+        cursor = copy.deepcopy(self.train_loader.state_dict())
+        self.global_step = index  # the batch's uids and sampling seed are its step's, as in the synchronous loop
+        try:
+            prompts = self.next_batch()
+            gen_batch = prompts.pop(batch_keys=list(GEN_KEYS), non_tensor_batch_keys=list(GEN_NON_TENSOR_KEYS))
+            gen_batch.meta_info.update(self._gen_meta(do_sample=self.config.actor_rollout_ref.rollout.do_sample))
+        finally:
+            self.global_step = step
+        start = time.perf_counter()
+        gen = self.rollout_wg.generate_sequences(gen_batch)  # computed now on the rollout ranks only
+        self._clock["gen"] += time.perf_counter() - start
+        self.queue.append(Flight(index, prompts, gen, self.rollout_version, cursor))
+        self.next_index += 1
+
+    def receive(self, flight: Flight, timing: dict, metrics: dict) -> DataProto:
+        """The flight's responses joined to its repeated prompts, each row tagged with its weight version."""
+        if flight.index != self.global_step:
+            raise RuntimeError(f"async pipeline: step {self.global_step} got the batch drawn for step {flight.index}")
+        staleness = self.policy_version - flight.version
+        if not 0 <= staleness <= self.max_staleness:
+            raise RuntimeError(f"async pipeline: step {self.global_step} would train on weights {staleness} updates "
+                               f"old (trainer.max_staleness={self.max_staleness})")
+        start = time.perf_counter()
+        gen = materialize(flight.gen)
+        self._clock["wait_gen"] += time.perf_counter() - start
+        gen_metrics = pop_metrics(gen)
+        gen_metrics.pop("timing_s/weight_sync", None)  # the rollout pool holds no actor: weights come by broadcast
+        metrics.update(gen_metrics)
+        batch = flight.prompts.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
+        batch.non_tensor_batch["weight_version"] = np.full(len(batch), flight.version, dtype=np.int64)
+        self._staleness = staleness
+        return batch
+
+    # ------------------------------------------------------------------ weights
+    def ensure_synced(self) -> None:
+        if self.rollout_version is None:
+            self.sync_weights({})
+
+    def sync_weights(self, timing: dict) -> None:
+        """Wait for the in-flight generations (the engine must be idle), then broadcast the actor's
+        weights to the rollout pool if they changed. Both pools' calls are issued before either is read."""
+        start = time.perf_counter()
+        flush_pending()  # every result still crossing pools (the in-flight generations), in call order
+        self._clock["wait_gen"] += time.perf_counter() - start
+        if self.rollout_version == self.policy_version:
+            return
+        with timer("weight_sync", timing):
+            sent = self.roles.actor_rollout.send_weights(self.bridge_ranks)
+            start = time.perf_counter()
+            got = self.rollout_wg.receive_weights(self.bridge_ranks)
+            self._clock["receive"] += time.perf_counter() - start
+            self.checksums = {"trainer": float(materialize(sent)[0]), "rollout": float(materialize(got)[0])}
+        self.rollout_version = self.policy_version
+
+    # ------------------------------------------------------------------ metrics
+    def gather_clocks(self, step_s: float) -> dict[str, dict]:
+        """This step's pipeline clocks of the trainer pool's and the rollout pool's first ranks."""
+        clocks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(clocks, {**self._clock, "step": step_s})
+        return {"trainer": clocks[0], "rollout": clocks[self.bridge_ranks[1]]}
+
+    def pipeline_metrics(self, clocks: dict[str, dict]) -> dict[str, float]:
+        """Staleness (of the step's samples), queue depth, idle fractions, weight version and checksums."""
+        staleness = np.full(1, self._staleness)  # one batch: every row has the same version
+        out = {"async/staleness/mean": float(staleness.mean()), "async/staleness/max": float(staleness.max()),
+               "async/queue_depth": float(len(self.queue)), "async/weight_version": float(self.rollout_version),
+               "async/weight_checksum/trainer": self.checksums["trainer"],
+               "async/weight_checksum/rollout": self.checksums["rollout"]}
+        for s in range(self.max_staleness + 1):
+            out[f"async/staleness/frac_{s}"] = float((staleness == s).mean())
+        trainer, rollout = clocks["trainer"], clocks["rollout"]
+        out["async/trainer_idle_frac"] = trainer["wait_gen"] / max(trainer["step"], 1e-9)
+        out["async/rollout_idle_frac"] = 1.0 - (rollout["gen"] + rollout["receive"]) / max(rollout["step"], 1e-9)
+        return out
+
+    # ------------------------------------------------------------------ validation, checkpoints
+    def validate(self) -> dict[str, float]:
+        """Validation generates on the rollout pool, with the trainer's current weights."""
+        import dataclasses
+
+        self.sync_weights({})
+        roles, self.roles = self.roles, dataclasses.replace(self.roles, actor_rollout=self.rollout_wg)
+        try:
+            return super().validate()
+        finally:
+            self.roles = roles
+
+    def save_checkpoint(self) -> None:
+        """As Driver.save_checkpoint; with generations in flight (an unplanned save) the data cursor is
+        rewound to the oldest of them, so a resumed run draws and generates them again."""
+        cursor = self.queue[0].cursor if self.queue else self.train_loader.state_dict()
+        with self.ckpt.saving(self.global_step) as tmp:
+            self.save_roles(tmp)
+            save_trainer_state(tmp, {"global_step": self.global_step, "dataloader": cursor, **self.extra_state()})
+
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), "policy_version": self.policy_version}
+
+    def load_roles(self, step_dir: str, state: dict) -> None:
+        super().load_roles(step_dir, state)
+        self.policy_version = int(state.get("policy_version", state["global_step"]))
+        self.next_index = int(state["global_step"]) + 1
+        self.rollout_version = None  # the engine still holds the initial weights
