@@ -377,3 +377,50 @@ def test_exported_adapter_loads_in_vllm(tmp_path):
     (got,) = run_distributed(_vllm_adapter_worker, 1, model_dir, adapter_dir, prompt, steps, timeout=600,
                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert got == want
+
+
+def bf16_rank_fn(model_dir: str):
+    """A bf16 base under bf16 mixed precision: adapters stay fp32, only they move, generation follows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tinyzero.distributed import init_distributed, set_seed
+    from tinyzero.models.config import FSDPConfig, MixedPrecisionConfig
+    from tinyzero.workers.actor_worker import ActorRolloutRefWorker
+
+    init_distributed()
+    torch.set_num_threads(1)
+    set_seed(0)
+    cfg = _lora_configs(model_dir)
+    cfg.model.dtype, cfg.rollout.dtype = "bf16", "bf16"
+    cfg.actor.ppo_mini_batch_size = 4  # the 4 prompts, 2 per rank
+    cfg.actor.fsdp_config = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="bf16", reduce_dtype="fp32"))
+    worker = ActorRolloutRefWorker(cfg, "actor_rollout_ref")
+    worker.init_model()
+    model = worker.actor.model
+    dtypes = {(n, p.requires_grad): p.dtype for n, p in model.named_parameters()}
+    gen = worker.generate_sequences(_prompts().chunk(2)[worker.rank])
+    gen.meta_info = {"temperature": 1.0}
+    gen = gen.union(worker.compute_ref_log_prob(gen))
+    old = worker.compute_log_prob(gen)
+    old.meta_info.pop("metrics")
+    gen = gen.union(old)
+    gen.batch["advantages"] = torch.randn(gen.batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
+    for module in model.modules():  # the last layer stays gathered after a forward
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    before = _full_params(model)
+    worker.update_actor(gen)
+    worker.generate_sequences(_prompts().chunk(2)[worker.rank])  # adapter sync into a bf16 engine
+    after = _full_params(model)  # collective: every rank
+    exact = {n: t.float() for n, t in before.items()}, {n: t.float() for n, t in after.items()}  # bf16 -> fp32
+    res = {"dtypes": dtypes, "before": exact[0], "after": exact[1]}
+    return _portable(res) if int(os.environ["RANK"]) == 0 else None
+
+
+def test_bf16_base_keeps_fp32_adapters(tiny_model_dir):
+    res = _torch(run_distributed(bf16_rank_fn, 2, tiny_model_dir, timeout=600)[0])
+    for (name, trainable), dtype in res["dtypes"].items():
+        assert trainable == (".lora_" in name), name
+        assert dtype == (torch.float32 if trainable else torch.bfloat16), (name, dtype)
+    moved = {n for n, t in res["before"].items() if not torch.equal(res["after"][n], t)}
+    assert moved == {n for n in res["before"] if ".lora_" in n}
