@@ -41,7 +41,7 @@ def _args(root, model: str, run: str, *extra: str) -> list[str]:
             f"--data.val_files={root}/data/test.parquet", f"--actor_rollout_ref.model.path={model}",
             f"--trainer.default_local_dir={root}/{run}", f"--reward.custom_fn={root}/reward.py:score",
             "--actor_rollout_ref.rollout.n=4", "--data.train_batch_size=8",
-            "--actor_rollout_ref.actor.ppo_mini_batch_size=8", "--trainer.val_before_train=false",
+            "--actor_rollout_ref.actor.ppo_mini_batch_size=8", "--trainer.val_before_train=true",
             "--trainer.test_freq=-1", "--trainer.plot=false", "--trainer.logger=jsonl",
             "--trainer.max_staleness=1", "--actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
             "--trainer.total_training_steps=4", "--trainer.save_freq=2", *extra]
@@ -63,12 +63,14 @@ def full_run(setup):
     out = subprocess.run(_cmd(_args(root, model, "full")), env=ENV, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    return read_metrics(str(root / "full"))
+    rows = read_metrics(str(root / "full"))
+    assert rows[0]["step"] == 0 and "val/test_score/arithmetic" in rows[0]  # validation on the rollout pool
+    return rows
 
 
 @pytest.mark.slow
 def test_one_step_off_policy_through_train_py(full_run):
-    rows = full_run
+    rows = full_run[1:]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         for key in ("actor/pg_loss", "actor/grad_norm", "async/trainer_idle_frac", "async/rollout_idle_frac"):
@@ -106,7 +108,7 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(setup, full_run):
     out = subprocess.run(_cmd(args), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     resumed = read_metrics(str(root / "killed"))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     for a, b in zip(full_run, resumed):
         keys = [k for k in a if not k.startswith(("timing", "perf/", "async/trainer_idle", "async/rollout_idle",
                                                   "reward/parallel"))]
@@ -139,7 +141,7 @@ def _generation_fails_on_rollout_pool(argv: list[str]):
 @pytest.mark.slow
 def test_a_failure_in_generation_ends_every_rank_with_its_traceback(setup):
     root, model = setup
-    argv = _args(root, model, "fails", "--trainer.resume_mode=disable")
+    argv = _args(root, model, "fails", "--trainer.resume_mode=disable", "--trainer.val_before_train=false")
     results = run_distributed(_generation_fails_on_rollout_pool, 2, argv, timeout=180,
                               env={"CUDA_VISIBLE_DEVICES": "", "TINYZERO_ABORT_GRACE_S": "60"})
     for rank, message in results:

@@ -132,13 +132,13 @@ class AsyncPPOTrainer(PPOTrainer):
         self.policy_version = 0     # actor updates applied
         self.rollout_version = None  # actor updates in the engine's weights (None: not synced yet)
         self.checksums = {"trainer": 0.0, "rollout": 0.0}
-        self._clock: dict[str, float] = {}
+        self._clock = dict.fromkeys(("gen", "wait_gen", "receive"), 0.0)  # this step's seconds per pipeline phase
         self._staleness = 0
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         metrics, timing = {}, {}
-        self._clock = {"gen": 0.0, "wait_gen": 0.0, "receive": 0.0}
+        self._clock = dict.fromkeys(self._clock, 0.0)
         with timer("step", timing):
             self.ensure_synced()
             if not self.queue:
