@@ -175,6 +175,11 @@ def test_config_errors_name_the_fix():
         _config(trainer__max_staleness=1, rollout__use_rollout_log_probs=True, rollout__name="vllm")
     with pytest.raises(ConfigError, match="trainer.placement=colocate"):
         _config(trainer__max_staleness=1, rollout__use_rollout_log_probs=True, trainer__placement="split")
+    _config(trainer__max_staleness=1, trainer__rollout_rs_threshold=2.0)  # masking alone is a correction
+    with pytest.raises(ConfigError, match="use_rollout_log_probs=false"):
+        _config(trainer__max_staleness=1, trainer__rollout_rs_threshold=2.0, rollout__use_rollout_log_probs=True)
+    with pytest.raises(ConfigError, match="asynchronous pipeline only"):
+        _config(trainer__rollout_rs_threshold=2.0)
     with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
         TrainerConfig(max_staleness=-1)
 
@@ -211,3 +216,23 @@ def test_weight_bridge_moves_every_dtype_bit_for_bit():
     sent, reference = run_distributed(_bridge_round_trips, 2, [1, 64, 1 << 20], timeout=120,
                                       env={"CUDA_VISIBLE_DEVICES": ""})
     assert sent == pytest.approx(reference, rel=1e-12)
+
+
+def test_sequence_masked_importance_sampling_against_a_loop():
+    import torch
+
+    from tinyzero.algorithms.rollout_correction import seq_mis_keep
+
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 9, generator=g) * 0.5
+    rollout = old + torch.randn(64, 9, generator=g) * 0.8
+    mask = (torch.rand(64, 9, generator=g) > 0.3).long()
+    mask[0] = 0  # no valid token: kept
+    keep = seq_mis_keep(old, rollout, mask, threshold=1.5)
+    for i in range(64):
+        diffs = [float(old[i, t]) - float(rollout[i, t]) for t in range(9) if mask[i, t]]
+        ratio = math.exp(sum(diffs) / len(diffs)) if diffs else 1.0
+        assert bool(keep[i]) == (1 / 1.5 <= ratio <= 1.5), (i, ratio)
+    assert 0 < int(keep.sum()) < 64
+    with pytest.raises(ValueError, match="must be > 1"):
+        seq_mis_keep(old, rollout, mask, threshold=1.0)

@@ -80,6 +80,11 @@ class TrainerConfig:
     runs the pipeline on-policy (generation and training take turns on their own pools)."""
     allow_uncorrected_staleness: bool = False
     """Accept max_staleness > 0 without an off-policy correction (stale samples trained as on-policy)."""
+    rollout_rs_threshold: float = 0.0
+    """Asynchronous pipeline: sequence-level masked importance sampling (veRL's rollout rejection,
+    seq_mean_k1). A response whose geometric-mean ratio exp(mean_t(log pi_old - log pi_rollout))
+    leaves [1/threshold, threshold] is masked out of the update; the trainer's old log-probs are then
+    computed in their own pass. 0 = off; e.g. 2.0. Logged as training/rollout_rs_masked_frac."""
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts learning (GAE only)."""
     balance_batch: bool = True
@@ -142,7 +147,7 @@ class TrainerConfig:
             if name not in known:
                 raise ConfigError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
                                  f"choose from {list(known)}")
-        for name in ("max_staleness", "rollout_pool_size"):
+        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
         for name in ("total_epochs",):
@@ -264,6 +269,9 @@ def check_async(cfg: Config) -> None:
     """The asynchronous pipeline (trainer.max_staleness / rollout_pool_size; see trainer.async_pipeline)."""
     t, arr = cfg.trainer, cfg.actor_rollout_ref
     if not (t.max_staleness or t.rollout_pool_size):
+        if t.rollout_rs_threshold:
+            raise ConfigError(f"trainer.rollout_rs_threshold={t.rollout_rs_threshold} applies to the asynchronous "
+                              "pipeline only; set trainer.max_staleness >= 1 or rollout_rs_threshold=0")
         return
     what = f"trainer.max_staleness={t.max_staleness}, trainer.rollout_pool_size={t.rollout_pool_size}"
     if arr.rollout.name == "vllm":
@@ -272,7 +280,11 @@ def check_async(cfg: Config) -> None:
     if t.placement != "colocate":
         raise ConfigError(f"{what}: the pipeline splits rollout and training itself (actor, reference and critic "
                           "share the trainer pool); leave trainer.placement=colocate")
-    corrected = arr.actor.tis_imp_ratio_cap > 0 or arr.rollout.use_rollout_log_probs
+    if t.rollout_rs_threshold and (t.rollout_rs_threshold <= 1 or arr.rollout.use_rollout_log_probs):
+        raise ConfigError(f"trainer.rollout_rs_threshold={t.rollout_rs_threshold}: set a value > 1 (e.g. 2.0), and "
+                          "leave actor_rollout_ref.rollout.use_rollout_log_probs=false (the ratio compares the "
+                          "trainer's old policy with the rollout policy; bypass mode makes them one)")
+    corrected = arr.actor.tis_imp_ratio_cap > 0 or arr.rollout.use_rollout_log_probs or t.rollout_rs_threshold > 0
     if t.max_staleness and not corrected and not t.allow_uncorrected_staleness:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} trains on samples of an older policy: set "
                           "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0 (truncated importance sampling) or "

@@ -13,6 +13,8 @@ the driver, optional rejection sampling); the token-level truncated weight is th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .functional import masked_mean
@@ -60,3 +62,18 @@ def rollout_mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: tor
         metrics["training/rollout_tis_clip_frac"] = masked_mean((torch.exp(log_ratio) > tis_cap).float(),
                                                                 response_mask)
     return metrics
+
+
+@torch.no_grad()
+def seq_mis_keep(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                 threshold: float) -> torch.Tensor:
+    """Sequence-level masked importance sampling (veRL's rollout rejection, "seq_mean_k1"): keep a response
+    only if its per-token geometric-mean ratio exp(mean_t(old - rollout)) over valid tokens lies in
+    [1 / threshold, threshold]. (B, R) inputs; returns (B,) bool (a response without valid tokens is kept)."""
+    if threshold <= 1:
+        raise ValueError(f"the sequence ratio threshold must be > 1 (got {threshold}); it bounds the ratio to "
+                         f"[1/threshold, threshold]")
+    mask = response_mask.to(torch.float64)
+    log_ratio = (old_log_probs.double() - rollout_log_probs.double()) * mask  # (B, R)
+    mean = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    return mean.abs() <= math.log(threshold)

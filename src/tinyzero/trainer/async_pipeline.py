@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
+from tinyzero.algorithms.rollout_correction import seq_mis_keep
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.weight_bridge import open_bridge
 from tinyzero.single_controller import (
@@ -157,6 +158,23 @@ class AsyncPPOTrainer(PPOTrainer):
         metrics.update(self.step_metrics(batch, timing))
         metrics.update(self.pipeline_metrics(clocks))
         return metrics
+
+    def old_log_prob_source(self) -> str:
+        """"actor" when trainer.rollout_rs_threshold is set: the sequence ratio needs the trainer's old
+        log-probs before the update; otherwise as in the synchronous loop."""
+        return "actor" if self.config.trainer.rollout_rs_threshold > 0 else super().old_log_prob_source()
+
+    def forward_passes(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
+        """The trainer pool's passes; then, with trainer.rollout_rs_threshold, sequence-level masked
+        importance sampling: responses whose sequence ratio is out of bounds leave the update."""
+        batch = super().forward_passes(batch, timing, metrics)
+        threshold = self.config.trainer.rollout_rs_threshold
+        if threshold > 0:
+            mask = batch.batch["response_mask"]  # (rows, R)
+            keep = seq_mis_keep(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], mask, threshold)
+            batch.batch["response_mask"] = mask * keep.unsqueeze(-1).to(mask.dtype)
+            metrics["training/rollout_rs_masked_frac"] = float((~keep).float().mean())
+        return batch
 
     def update_actor(self, batch: DataProto, timing: dict):
         """Issue the actor update (the trainer pool computes it now), then the next generations (the
