@@ -255,7 +255,8 @@ def merged_in_place(model: nn.Module):
 def adapter_config(spec: LoraSpec, layer_names: list[str], base_model_path: str = "") -> dict:
     """PEFT's adapter_config.json for these adapters (target_modules as the layers' last names)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
+        "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
         "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layer_names}), "lora_dropout": 0.0,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
@@ -274,8 +275,10 @@ def save_adapter(model: nn.Module, out_dir: str, spec: LoraSpec, base_model_path
     from tinyzero.rollout.weight_sync import iter_full_params
 
     writer = not dist.is_initialized() or dist.get_rank(process_group) == 0
-    tensors = {PEFT_PREFIX + name: t.detach().to("cpu", torch.float32, copy=True).contiguous()
-               for name, t in iter_full_params(model, include=is_lora_name)}
+    tensors = {}
+    for name, t in iter_full_params(model, include=is_lora_name):  # collective: every rank iterates
+        if writer:
+            tensors[PEFT_PREFIX + name] = t.detach().to("cpu", torch.float32, copy=True).contiguous()
     if writer:
         out_dir = os.path.abspath(out_dir)
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
