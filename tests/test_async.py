@@ -3,9 +3,10 @@
 Through train.py: K=1 runs with finite metrics, staleness 0 then 1 (never above K), the rollout
 engine holding the trainer's weights after every update (checksums, and zero rollout/trainer
 log-prob gap on the on-policy first step), a kill + resume that reproduces the uninterrupted run;
+the on-policy pipeline bit-identical to the synchronous loop;
 in process: a failure inside generation on the rollout pool ends every rank with its traceback;
 config errors; the weight bridge moves every dtype bit for bit in any bucket size. Budget: about
-95 s on an idle 2-core machine.
+125 s on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -115,6 +116,29 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(setup, full_run):
                                                   "reward/parallel"))]
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.slow
+def test_on_policy_pipeline_equals_the_synchronous_loop(setup):
+    """max_staleness=0 on 1 trainer + 1 rollout rank vs the synchronous loop on 1 rank (the same training
+    layout): every metric but the timings is bit-identical at every step."""
+    root, model = setup
+    common = ["--trainer.max_staleness=0", "--actor_rollout_ref.actor.tis_imp_ratio_cap=-1",
+              "--trainer.total_training_steps=3", "--trainer.save_freq=-1", "--trainer.val_before_train=false",
+              "--trainer.export_hf=false", "--actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    runs = {}
+    for name, ranks, extra in (("sync", 1, []), ("pipeline", 2, ["--trainer.rollout_pool_size=1"])):
+        cmd = _cmd(_args(root, model, name, *common, *extra))
+        cmd[cmd.index("--nproc_per_node=2")] = f"--nproc_per_node={ranks}"
+        out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+        runs[name] = read_metrics(str(root / name))
+    assert [r["step"] for r in runs["sync"]] == [r["step"] for r in runs["pipeline"]] == [1, 2, 3]
+    for a, b in zip(runs["sync"], runs["pipeline"]):
+        keys = [k for k in a if not k.startswith(("timing", "perf/", "reward/parallel"))]
+        assert len(keys) > 20
+        assert {k: b.get(k) for k in keys} == {k: a[k] for k in keys}, a["step"]
+        assert b["async/staleness/max"] == 0
 
 
 def _generation_fails_on_rollout_pool(argv: list[str]):
