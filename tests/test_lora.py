@@ -275,6 +275,27 @@ def test_merged_stream_equals_the_adapted_model(tiny_model_dir):
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=1e-9)
 
 
+def _vllm_tiny_model(path: str) -> str:
+    """The tiny model with head_dim 32 (vLLM's CPU kernels); skips where vLLM is unavailable."""
+    from tinyzero.models.tiny import build_tiny_model
+    from tinyzero.rollout.vllm_backend import vllm_available
+
+    reason = vllm_available()
+    if reason is not None:
+        pytest.skip(f"needs vllm: {reason}")
+    build_tiny_model(path, seed=0, num_heads=2, num_kv_heads=1)
+    return path
+
+
+@torch.no_grad()
+def _random_b(model, generator: torch.Generator, std: float = 0.5) -> None:
+    """Seeded B matrices for a plain (unsharded) LoRA model, so the adapters change its output."""
+    from tinyzero.models.lora import lora_layers
+
+    for layer in lora_layers(model).values():
+        layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=generator) * std)
+
+
 def _vllm_lora_worker(model_dir: str):
     """vLLM (merged adapted layers) and the native engine (adapter-only sync) against HF generate of the
     LoRA model, for two successive adapter versions."""
@@ -282,7 +303,7 @@ def _vllm_lora_worker(model_dir: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.test_rollout_vllm import _prompts as text_prompts
-    from tinyzero.models.lora import LoraSpec, apply_lora, lora_layers, sync_adapters
+    from tinyzero.models.lora import LoraSpec, apply_lora, sync_adapters
     from tinyzero.rollout import RolloutConfig, build_rollout
 
     dist.init_process_group("gloo")
@@ -298,9 +319,7 @@ def _vllm_lora_worker(model_dir: str):
     g = torch.Generator().manual_seed(5)
     out = []
     for version in range(2):
-        for layer in lora_layers(trainer).values():
-            with torch.no_grad():
-                layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
+        _random_b(trainer, g)
         ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
         with torch.no_grad():
             ref = trainer.generate(ids, attention_mask=mask, max_new_tokens=common["response_length"],
@@ -320,14 +339,7 @@ def _vllm_lora_worker(model_dir: str):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_and_native_engines_serve_the_lora_policy(tmp_path):
-    from tinyzero.models.tiny import build_tiny_model
-    from tinyzero.rollout.vllm_backend import vllm_available
-
-    reason = vllm_available()
-    if reason is not None:
-        pytest.skip(f"needs vllm: {reason}")
-    build_tiny_model(str(tmp_path), seed=0, num_heads=2, num_kv_heads=1)  # head_dim 32 for vLLM's CPU kernels
-    (steps,) = run_distributed(_vllm_lora_worker, 1, str(tmp_path), timeout=600)
+    (steps,) = run_distributed(_vllm_lora_worker, 1, _vllm_tiny_model(str(tmp_path)), timeout=600)
     for step in steps:
         for name in ("vllm", "native"):
             for got, want in zip(step[name], step["hf"]):
@@ -354,22 +366,13 @@ def test_exported_adapter_loads_in_vllm(tmp_path):
     """save_adapter's folder through vLLM's LoRA loader: the same greedy tokens as the HF model with adapters."""
     from transformers import AutoModelForCausalLM
 
-    from tinyzero.models.lora import LoraSpec, apply_lora, lora_layers, save_adapter
-    from tinyzero.models.tiny import build_tiny_model
-    from tinyzero.rollout.vllm_backend import vllm_available
+    from tinyzero.models.lora import LoraSpec, apply_lora, save_adapter
 
-    reason = vllm_available()
-    if reason is not None:
-        pytest.skip(f"needs vllm: {reason}")
-    model_dir, adapter_dir = str(tmp_path / "model"), str(tmp_path / "adapter")
-    build_tiny_model(model_dir, seed=0, num_heads=2, num_kv_heads=1)  # head_dim 32 for vLLM's CPU kernels
+    model_dir, adapter_dir = _vllm_tiny_model(str(tmp_path / "model")), str(tmp_path / "adapter")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     spec = LoraSpec(RANK, ALPHA)
     apply_lora(model, spec)
-    g = torch.Generator().manual_seed(1)
-    for layer in lora_layers(model).values():
-        with torch.no_grad():
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
+    _random_b(model, torch.Generator().manual_seed(1))
     save_adapter(model, adapter_dir, spec, model_dir)
     prompt, steps = [5, 17, 33, 90], 8
     with torch.no_grad():
