@@ -103,8 +103,11 @@ class RolloutConfig:
     native_prefix_sharing: str = "auto"
     """Native engine, n > 1: each prompt is prefilled once for its n samples (3/4 of the prefill FLOPs
     at n=4). "copy": the prefill's keys and values are copied to the prompt's rows, and decoding is
-    what it is without sharing: the same logits bit for bit on CPU, so the same samples per seed as
-    "off" (when rows are split into decode batches, with max_num_seqs a multiple of n). "shared" (fused decoder): one prompt block per prompt plus a response block per row, attended
+    what it is without sharing: on one CPU thread per rank (torchrun's default) the same logits bit for
+    bit, so the same samples per seed as "off" (when rows are split into decode batches, with
+    max_num_seqs a multiple of n); with several threads the prefill over fewer rows may round
+    differently (seen: 3e-6 in log-probs). "shared" (fused decoder): one prompt block per prompt plus a
+    response block per row, attended
     together, so the cache holds prompts*P + rows*R slots instead of rows*(P+R) and a step reads a
     prompt's keys once for its rows; its logits differ from "off" in the last bits (a prompt's scores
     are one matmul for all its rows), so greedy output is the same but a sampled token can flip where
