@@ -23,6 +23,7 @@ import torch
 
 from tinyzero.data.config import DataConfig
 from tinyzero.data.schema import load_rl_parquet
+from tinyzero.distributed import get_rank
 
 __all__ = ["RLHFDataset", "render_prompt", "left_pad", "compute_position_ids", "pad_token_id_of"]
 
@@ -126,7 +127,7 @@ class RLHFDataset:
         keep = lengths <= self.config.max_prompt_length
         self._keep = np.nonzero(keep)[0].astype(np.int64)
         self.num_filtered = int((~keep).sum())
-        if os.environ.get("RANK", "0") == "0":
+        if get_rank() == 0:
             print(f"[data] filtered {self.num_filtered} of {self.num_rows_total} prompts longer than "
                   f"max_prompt_length={self.config.max_prompt_length} ({', '.join(self.files)})", flush=True)
         if not len(self._keep):

@@ -25,7 +25,6 @@ the traceback (reward.on_error="raise", the default), or scores 0 and is counted
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tinyzero.distributed import get_rank
 from tinyzero.progress import report_progress
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.rewards.overlong import apply_overlong_penalty
@@ -67,7 +67,7 @@ class RewardOutput:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return get_rank()
 
 
 def _world() -> int:
@@ -304,7 +304,7 @@ class RewardManager:
         return metrics
 
     def _examine(self, samples: list[dict]) -> None:
-        if not self.config.num_examine or os.environ.get("RANK", "0") != "0":
+        if not self.config.num_examine or get_rank() != 0:
             return
         shown: dict[str, int] = defaultdict(int)
         for s in samples:
