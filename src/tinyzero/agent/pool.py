@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from tinyzero.rewards.scoring import _Worker, write_message
+from tinyzero.rewards.scoring import WorkerSlots, _Worker, write_message
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class _ToolWorker(_Worker):
         self.busy = (index, time.monotonic(), timeout_s)
 
 
-class ToolPool:
+class ToolPool(WorkerSlots):
     """Worker processes that run tool calls (see the module docstring)."""
 
     def __init__(self, tool_specs: list[str], num_workers: int = 2, memory_mb: int = 1024, max_chars: int = 2000,
@@ -54,20 +54,10 @@ class ToolPool:
         self.settings = (list(tool_specs), int(memory_mb), int(max_chars))
         self.ready_timeout_s = ready_timeout_s
         self.kill_grace_s = kill_grace_s
-        self._workers: list[_ToolWorker | None] = [None] * num_workers
+        super().__init__(num_workers)
 
-    def _worker(self, i: int) -> _ToolWorker:
-        w = self._workers[i]
-        if w is None or w.proc.poll() is not None:
-            if w is not None:
-                w.kill()
-            w = self._workers[i] = _ToolWorker(self.settings, self.ready_timeout_s)
-        return w
-
-    def _drop(self, i: int) -> None:
-        w, self._workers[i] = self._workers[i], None
-        if w is not None:
-            w.kill()
+    def _new_worker(self) -> _ToolWorker:
+        return _ToolWorker(self.settings, self.ready_timeout_s)
 
     def run(self, calls: list[tuple[str, dict, float]]) -> list[ToolResult]:
         """Run (tool name, arguments, timeout_s) calls across the workers; results in call order."""

@@ -177,7 +177,30 @@ class _Worker:
                 pass
 
 
-class ScoringPool:
+class WorkerSlots:
+    """A fixed number of worker-process slots, each started on first use and replaced when it died."""
+
+    def __init__(self, num_workers: int):
+        self._workers: list[_Worker | None] = [None] * num_workers
+
+    def _new_worker(self) -> _Worker:
+        raise NotImplementedError
+
+    def _worker(self, i: int) -> _Worker:
+        w = self._workers[i]
+        if w is None or not w.alive():
+            if w is not None:
+                w.kill()
+            w = self._workers[i] = self._new_worker()
+        return w
+
+    def _drop(self, i: int) -> None:
+        w, self._workers[i] = self._workers[i], None
+        if w is not None:
+            w.kill()
+
+
+class ScoringPool(WorkerSlots):
     """Scoring subprocesses that can be killed: per-sample limits that hold, and a per-batch budget.
 
     Tasks go out in chunks (`chunk_size`; 1 for user functions, so a failure names its sample),
@@ -200,20 +223,10 @@ class ScoringPool:
         self.slack_s = slack_s
         self.batch_timeout_s = batch_timeout_s
         self.kill_grace_s = kill_grace_s
-        self._workers: list[_Worker | None] = [None] * num_workers
+        super().__init__(num_workers)
 
-    def _worker(self, i: int) -> _Worker:
-        w = self._workers[i]
-        if w is None or not w.alive():
-            if w is not None:
-                w.kill()
-            w = self._workers[i] = _Worker(self.settings, self.slack_s)
-        return w
-
-    def _drop(self, i: int) -> None:
-        w, self._workers[i] = self._workers[i], None
-        if w is not None:
-            w.kill()
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.settings, self.slack_s)
 
     def score(self, tasks: list, chunk_size: int | None = None, on_progress=None) -> list[dict]:
         """Score tasks across the workers; order is preserved (see the class docstring)."""
