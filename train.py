@@ -77,7 +77,8 @@ def _debug_traceback() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tinyzero.config import ConfigError, parse_args
+    from tinyzero.config import ConfigError
+    from tinyzero.config_io import parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
     from tinyzero.progress import start_watchdog, stop_watchdog
     from tinyzero.rewards.manager import RewardError

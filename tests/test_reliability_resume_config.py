@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import yaml
 
-from tinyzero.config import Config, ConfigError, to_dict
+from tinyzero.config import Config, ConfigError
+from tinyzero.config_io import to_dict
 from tinyzero.trainer.run_config import changed_fields, write_config
 
 
