@@ -22,6 +22,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "get_local_rank",
+    "spans_nodes",
     "get_device",
     "device_type",
     "backend_for_device",
@@ -150,6 +151,14 @@ def get_rank() -> int:
 
 def get_world_size() -> int:
     return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def spans_nodes() -> bool:
+    """Whether the job runs on more than one node: torchrun's LOCAL_WORLD_SIZE (ranks on this node) is
+    below the world size. A launcher that does not set LOCAL_WORLD_SIZE counts as several nodes."""
+    world = get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return world > 1 and (local <= 0 or local < world)
 
 
 def barrier(group=None) -> None:

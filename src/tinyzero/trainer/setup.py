@@ -20,12 +20,13 @@ import torch
 from tinyzero.config import Config, ConfigError, check_world
 from tinyzero.config_io import to_dict
 from tinyzero.data import StatefulDataLoader
-from tinyzero.distributed import get_rank, get_world_size, is_distributed
+from tinyzero.distributed import get_rank, get_world_size, is_distributed, spans_nodes
 from tinyzero.models.loading import check_model_path, load_tokenizer
 from tinyzero.overrides import override
 from tinyzero.trainer.checkpoint import CheckpointManager
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.run_config import write_config
+from tinyzero.trainer.storage_check import check_shared_folder
 
 
 @dataclass
@@ -83,9 +84,12 @@ def prepare_run(cfg: Config, dataset_cls, optims: dict) -> RunInputs:
 def write_run_config(cfg: Config) -> str:
     """Create the run folder and write the resolved config.yaml (rank 0); returns the folder.
 
-    A resume whose config changes the training is refused on every rank (trainer.run_config).
+    A resume whose config changes the training is refused on every rank (trainer.run_config). A job on
+    several nodes first checks that every rank sees one checkpoint folder (trainer.storage_check).
     """
     run_dir = cfg.trainer.default_local_dir
+    if spans_nodes():  # every rank writes checkpoint shards there: all nodes must see one folder
+        check_shared_folder(os.path.join(run_dir, "checkpoints"), "trainer.default_local_dir")
     error = [None]
     if get_rank() == 0:
         try:
