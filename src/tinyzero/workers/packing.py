@@ -50,7 +50,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention", "ulysses_sdpa")  # ulysses_sdpa: tinyzero.models.ulysses
 DENSE_ROW_TOKENS = 4096
 
 
