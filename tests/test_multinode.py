@@ -108,8 +108,9 @@ def test_node_local_folders_are_refused_and_a_shared_folder_passes(tmp_path):
 
 
 def test_spans_nodes_reads_the_torchrun_layout(monkeypatch):
-    from tinyzero.distributed import spans_nodes
+    import tinyzero.distributed as distributed
 
+    monkeypatch.setattr(distributed, "is_distributed", lambda: False)  # the world size comes from WORLD_SIZE
     for world, local, expected in (("1", "1", False), ("4", "4", False), ("4", "2", True), ("2", "1", True),
                                    ("4", None, True)):
         monkeypatch.setenv("WORLD_SIZE", world)
@@ -117,7 +118,7 @@ def test_spans_nodes_reads_the_torchrun_layout(monkeypatch):
             monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
         else:
             monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-        assert spans_nodes() is expected, (world, local)
+        assert distributed.spans_nodes() is expected, (world, local)
 
 
 # ---------------------------------------------------------------------------------------- end to end
@@ -254,6 +255,9 @@ def test_two_nodes_train_survive_the_loss_of_a_node_and_resume(setup):
     assert "resumed from" in again.log(0) + again.log(1)
     got = read_metrics(str(root / "run"))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    # Both jobs ran the start-up check of the checkpoint folder (4 ranks on 2 nodes); it left nothing behind.
+    assert sorted(os.listdir(root / "run" / "checkpoints")) == \
+        ["global_step_2", "global_step_4", "latest_checkpointed_iteration.txt"]
     for a, b in zip(expected, got):
         a, b = _comparable(a), _comparable(b)
         assert a.keys() == b.keys()
