@@ -5,6 +5,7 @@ everywhere else; each also takes `backend="auto" | "torch" | "triton"`.
 
     log_probs_from_logits(logits, labels, temperature=1.0, return_entropy=False)
     linear_log_probs(hidden, weight, labels, temperature=1.0, return_entropy=False)
+    vocab_parallel_log_probs(hidden, weight_shard, labels, vocab_start, tp_group, ...)   lm_head sharded by vocab
     entropy_from_logits(logits, temperature=1.0)
     reverse_linear_scan(a, b)                  x[t] = b[t] + a[t] * x[t+1]
     gae_advantage_return(rewards, values, mask, gamma, lam)   un-whitened GAE + returns
@@ -21,6 +22,7 @@ from .group_stats import group_ids, group_mean_std, group_stats
 from .linear_logprobs import linear_log_probs
 from .logprobs import entropy_from_logits, log_probs_from_logits
 from .scan import discounted_returns, gae_advantage_return, reverse_linear_scan
+from .vocab_parallel import vocab_parallel_log_probs
 
 __all__ = [
     "HAS_TRITON",
@@ -34,4 +36,5 @@ __all__ = [
     "log_probs_from_logits",
     "reverse_linear_scan",
     "use_triton",
+    "vocab_parallel_log_probs",
 ]

@@ -139,35 +139,64 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, labels, lse, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not ctx.with_entropy:
-            g_ent = None
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device) if need_w else None
-        chunk = ctx.chunk
-        grad_dtype = compute_dtype(weight.dtype)
-        for i in range(0, hidden.shape[0], chunk):
-            sl = slice(i, i + chunk)
-            h = hidden[sl]  # (chunk, H)
-            c_g_lp = None if g_lp is None else g_lp[sl].to(grad_dtype)
-            c_g_ent = None if g_ent is None else g_ent[sl].to(grad_dtype)
-            if not ctx.triton_path:
-                c_grad_h = _torch_chunk_backward(h, weight, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent,
-                                                 ctx.inv_temp, grad_w)
-                if need_h:
-                    grad_h[sl] = c_grad_h
-                continue
-            logits = h @ weight.T  # (chunk, V), recomputed
-            # the gradient overwrites the recomputed logits: no second (chunk, V) buffer
-            g = rows_backward(logits, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent, ctx.inv_temp, True, out=logits)
-            if need_h:
-                grad_h[sl] = g @ weight
-            if need_w:
-                grad_w.addmm_(g.T.float(), h.float())
-            del logits, g
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)
+        grad_h, grad_w = backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent if ctx.with_entropy else None,
+                                         ctx.inv_temp, ctx.chunk, ctx.triton_path, ctx.needs_input_grad[0],
+                                         ctx.needs_input_grad[1])
         return grad_h, grad_w, None, None, None, None, None
+
+
+def backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent, inv_temp, chunk, triton_path, need_h, need_w):
+    """(grad hidden or None, grad weight or None) of log-probs / entropy given per-token lse and entropy.
+
+    Labels outside [0, V) add no label term (the vocabulary-parallel path passes shard-local labels).
+    """
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device) if need_w else None
+    grad_dtype = compute_dtype(weight.dtype)
+    for i in range(0, hidden.shape[0], chunk):
+        sl = slice(i, i + chunk)
+        h = hidden[sl]  # (chunk, H)
+        c_g_lp = None if g_lp is None else g_lp[sl].to(grad_dtype)
+        c_g_ent = None if g_ent is None else g_ent[sl].to(grad_dtype)
+        if not triton_path:
+            c_grad_h = _torch_chunk_backward(h, weight, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent, inv_temp,
+                                             grad_w)
+            if need_h:
+                grad_h[sl] = c_grad_h
+            continue
+        logits = h @ weight.T  # (chunk, V), recomputed
+        # the gradient overwrites the recomputed logits: no second (chunk, V) buffer
+        g = rows_backward(logits, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent, inv_temp, True, out=logits)
+        if need_h:
+            grad_h[sl] = g @ weight
+        if need_w:
+            grad_w.addmm_(g.T.float(), h.float())
+        del logits, g
+    if need_w:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_h, grad_w
+
+
+def flat_inputs(hidden, weight, chunk_size, backend):
+    """(hidden as (tokens, H) in the weight's dtype, tokens per chunk, whether the Triton path runs)."""
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    triton_path = use_triton(hidden, backend) and weight.dtype != torch.float64
+    chunk = chunk_size or default_chunk_size(weight.shape[0], triton_path)
+    return hidden.reshape(-1, hidden.shape[-1]), chunk, triton_path
+
+
+def check_args(hidden, weight, labels, temperature, chunk_size, weight_name: str = "weight") -> None:
+    """ValueError naming the argument for shapes, temperature or chunk size that cannot work."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden shape without the hidden dim "
+                         f"{tuple(hidden.shape[:-1])}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{weight_name} must be (vocab, hidden={hidden.shape[-1]}); got {tuple(weight.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
 
 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
@@ -178,24 +207,26 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     chunk_size: tokens per chunk (default: about 32M logits on CUDA, 2048 tokens on the torch path).
     Outputs are float32, or float64 for float64 weights (which take the torch path).
     Returns `log_probs` or `(log_probs, entropy)`; differentiable w.r.t. hidden and weight.
+    A DTensor weight sharded along the vocabulary (tensor parallelism) takes the vocabulary-parallel
+    path (kernels.vocab_parallel): no rank builds the full vocabulary's logits.
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden shape without the hidden dim "
-                         f"{tuple(hidden.shape[:-1])}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be (vocab, hidden={hidden.shape[-1]}); got {tuple(weight.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
-    triton_path = use_triton(hidden, backend) and weight.dtype != torch.float64
-    chunk = chunk_size or default_chunk_size(weight.shape[0], triton_path)
+    check_args(hidden, weight, labels, temperature, chunk_size)
+    if _is_dtensor(weight):  # lm_head sharded along the vocabulary by tensor parallelism
+        from .vocab_parallel import dtensor_log_probs
+
+        return dtensor_log_probs(hidden, weight, labels, temperature, return_entropy, chunk_size, backend)
+    flat, chunk, triton_path = flat_inputs(hidden, weight, chunk_size, backend)
     shape = labels.shape
-    flat = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _LinearLogProbs.apply(flat, weight, labels.reshape(-1).long(), 1.0 / float(temperature),
                                       bool(return_entropy), chunk, triton_path)
     if return_entropy:
         return logp.view(shape), ent.view(shape)
     return logp.view(shape)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

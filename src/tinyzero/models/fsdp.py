@@ -85,8 +85,16 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
-                enable_gradient_checkpointing: bool = False) -> nn.Module:
-    """Apply fully_shard to every decoder layer and then the root; return the (same) model object."""
+                enable_gradient_checkpointing: bool = False, tp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Apply fully_shard to every decoder layer and then the root; return the (same) model object.
+
+    With `tp_mesh` (1-D, sliced from the same parent mesh as `mesh`), tensor parallelism
+    (models.tensor_parallel) is applied first and FSDP2 shards the DTensors over `mesh` (2-D FSDP + TP).
+    """
+    if tp_mesh is not None:
+        from tinyzero.models.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_mesh)
     if enable_gradient_checkpointing:
         enable_activation_checkpointing(model)
     mp_policy = mixed_precision_policy(fsdp_config, mesh.device_type)
@@ -106,20 +114,24 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
 # --------------------------------------------------------------------------- meta init + broadcast
 
 
-def _is_mesh_source(mesh: DeviceMesh) -> bool:
-    return all(c == 0 for c in mesh.get_coordinate())
+def _is_mesh_source(*meshes: DeviceMesh | None) -> bool:
+    return all(c == 0 for m in meshes if m is not None for c in m.get_coordinate())
 
 
-def mesh_broadcast(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
+def mesh_broadcast(tensor: torch.Tensor, mesh: DeviceMesh, *more: DeviceMesh | None) -> None:
     """Broadcast `tensor` in place from mesh coordinate (0, ..., 0) to every rank of the mesh.
 
     One broadcast per mesh dim, from the rank at local index 0 of that dim; dim d only runs on ranks whose
     coordinates after d are all 0 (they already hold the data), so it works on any sub-mesh / pool group.
+    `more` meshes (e.g. the tensor-parallel axis beside the FSDP mesh) add their dims after `mesh`'s:
+    the broadcast then covers the product of all of them.
     """
-    coord = mesh.get_coordinate()
-    for d in range(mesh.ndim):
-        if all(c == 0 for c in coord[d + 1:]) and mesh.size(d) > 1:
-            dist.broadcast(tensor, group=mesh.get_group(d), group_src=0)
+    meshes = [m for m in (mesh, *more) if m is not None]
+    coord = [c for m in meshes for c in m.get_coordinate()]
+    axes = [(m, d) for m in meshes for d in range(m.ndim)]
+    for i, (m, d) in enumerate(axes):
+        if all(c == 0 for c in coord[i + 1:]) and m.size(d) > 1:
+            dist.broadcast(tensor, group=m.get_group(d), group_src=0)
 
 
 def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.device, dtype):
@@ -149,13 +161,15 @@ def _comm_device(mesh: DeviceMesh) -> torch.device:
 
 
 @torch.no_grad()
-def broadcast_into_sharded(model: nn.Module, full_state: dict[str, torch.Tensor] | None, mesh: DeviceMesh) -> None:
+def broadcast_into_sharded(model: nn.Module, full_state: dict[str, torch.Tensor] | None, mesh: DeviceMesh,
+                           tp_mesh: DeviceMesh | None = None) -> None:
     """Fill a materialized FSDP2 model from a full state dict that only the mesh source rank holds.
 
-    Parameters go one tensor at a time: broadcast the full tensor over the mesh, keep the local shard.
+    Parameters go one tensor at a time: broadcast the full tensor over the mesh (and `tp_mesh`), keep the
+    local shard (by the DTensor's own mesh and placements, FSDP x TP included).
     Buffers (e.g. rotary inv_freq, not in checkpoints) are broadcast whole.
     """
-    is_src = _is_mesh_source(mesh)
+    is_src = _is_mesh_source(mesh, tp_mesh)
     comm_device = _comm_device(mesh)
     items = list(model.named_parameters()) + list(model.named_buffers())
     for name, tensor in items:
@@ -169,7 +183,7 @@ def broadcast_into_sharded(model: nn.Module, full_state: dict[str, torch.Tensor]
             if src.shape != full_shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(full_shape)}")
             buf.copy_(src)
-        mesh_broadcast(buf, mesh)
+        mesh_broadcast(buf, mesh, tp_mesh)
         if isinstance(tensor, DTensor):
             shard = distribute_tensor(buf, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
             local.copy_(shard)
@@ -183,8 +197,11 @@ def load_sharded_model(
     mesh: DeviceMesh,
     kind: str = "causal_lm",
     dtype: str | torch.dtype | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Build `kind` ("causal_lm" | "value" | "reward") on the meta device, shard it, load weights.
+
+    `tp_mesh`: the tensor-parallel axis (1-D, from the same parent mesh as `mesh`); see `parallelize`.
 
     Only the mesh source rank reads the weight files (on CPU); every tensor is broadcast over the
     mesh and each rank keeps its shard, so N ranks never read the checkpoint N times.
@@ -194,7 +211,7 @@ def load_sharded_model(
     path = check_model_path(model_config.path)
     dtype = model_config.dtype if dtype is None else dtype
     full_state, error = None, None
-    if _is_mesh_source(mesh):
+    if _is_mesh_source(mesh, tp_mesh):
         try:
             full = _build(kind, path, model_config, "cpu", dtype)
             full_state = dict(full.named_parameters()) | dict(full.named_buffers())
@@ -203,16 +220,17 @@ def load_sharded_model(
     # Tell every rank whether the source could read the weights, so a bad file fails all ranks at once
     # instead of leaving them waiting in the first broadcast.
     failed = torch.tensor([error is not None], dtype=torch.int32, device=_comm_device(mesh))
-    mesh_broadcast(failed, mesh)
+    mesh_broadcast(failed, mesh, tp_mesh)
     if error is not None:
         raise error
     if failed.item():
         raise ValueError(f"the first rank of the model's mesh could not load {path!r}; see its error")
     model = _build(kind, path, model_config, "meta", dtype)
-    parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing)
+    parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing,
+                tp_mesh=tp_mesh)
     target = torch.device("cpu") if fsdp_config.offload_policy else _comm_device(mesh)
     model.to_empty(device=target)
-    broadcast_into_sharded(model, full_state, mesh)
+    broadcast_into_sharded(model, full_state, mesh, tp_mesh)
     del full_state
     if hasattr(model, "tie_weights") and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         _check_tied(model)
