@@ -7,10 +7,12 @@ prompts, right-padded responses, odd length so the sp padding is used) and packe
 (repeated to 2):
 - response log-probs and entropy at sp=2 equal both within 1e-10;
 - the gradients of a token-mean loss, summed over the sp group, equal the one-process path's within
-  1e-10 (the definition of the convention in tinyzero.models.ulysses).
+  1e-10 (the definition of the convention in tinyzero.models.ulysses); under FSDP2 sharded over the
+  sp ranks, the loss scaled by sp gives the one-process gradients; also with activation checkpointing
+  (attention recomputed in backward), and through `sp_model_forward` (the critic / reward path).
 Plus the memory point: peak live tensor bytes of a long-sequence forward + backward at sp=2 are well
 below sp=1's (bench/long_context.py measures 8k tokens; here 2k keep the test short).
-Budget: about 40 s (one 2-rank spawn).
+Budget: about 40-60 s (one 2-rank spawn) on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ def _equivalence(model_dir: str, group) -> dict:
     entropy, per packing mode. sp=1 is the project's plain path with the same packing."""
     import copy
 
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from tinyzero.models.ulysses import attach_sp_log_prob_method
@@ -72,17 +73,83 @@ def _equivalence(model_dir: str, group) -> dict:
             _token_mean_loss(lp, ent, batch).backward()
             results.append((lp.detach(), ent.detach()))
         (lp_ref, ent_ref), (lp, ent) = results
-        worst = 0.0
-        for p, q in zip(model.parameters(), ref.parameters()):
-            g = p.grad.clone()
-            dist.all_reduce(g, group=group)  # partial gradients: their sum over the sp group is the gradient
-            worst = max(worst, (g - q.grad).abs().max().item())
+        worst = _summed_grad_diff(model, ref, group)
         out[packing] = dict(log_probs=(lp - lp_ref)[mask].abs().max().item(),
                             entropy=(ent - ent_ref)[mask].abs().max().item(), grads=worst,
                             log_probs_hf=(lp - lp_hf)[mask].abs().max().item(),
                             entropy_hf=(ent - ent_hf)[mask].abs().max().item(),
                             attn=model.config._attn_implementation)
+    out["fsdp"] = _fsdp_grads(hf, ref, batch, group)  # ref holds the shared_prefix gradients here
+    out["checkpointing"] = _checkpointed_grads(ref, model, batch, group)
+    out["model_forward"] = _gathered_forward(hf, model, batch, group)
     return out
+
+
+def _summed_grad_diff(model, ref, group) -> float:
+    import torch.distributed as dist
+
+    worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)  # partial gradients: their sum over the sp group is the gradient
+        worst = max(worst, (g - q.grad).abs().max().item())
+    return worst
+
+
+def _fsdp_grads(hf, ref, batch, group) -> float:
+    """FSDP2 sharded over the sp ranks (veRL's layout): it averages the partial gradients over its 2 ranks,
+    so the loss scaled by sp gives the one-process gradient."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from tinyzero.models.ulysses import attach_sp_log_prob_method
+    from tinyzero.workers.forward import response_log_probs
+    from tinyzero.workers.packing import prepare_attention
+
+    model = copy.deepcopy(hf)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    attach_sp_log_prob_method(model, group)
+    prepare_attention(model, "shared_prefix")
+    lp, ent = response_log_probs(model, batch, 0.7, True, "shared_prefix")
+    (_token_mean_loss(lp, ent, batch) * dist.get_world_size(group)).backward()
+    return max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _checkpointed_grads(ref, model, batch, group) -> float:
+    """Activation checkpointing recomputes attention in backward: the group must still reach it."""
+    from tinyzero.workers.forward import response_log_probs
+
+    model.gradient_checkpointing_enable()
+    model.train()
+    for m in (ref, model):
+        m.zero_grad()
+        _token_mean_loss(*response_log_probs(m, batch, 0.7, True), batch).backward()
+    model.gradient_checkpointing_disable()
+    return _summed_grad_diff(model, ref, group)
+
+
+def _gathered_forward(hf, model, batch, group) -> dict:
+    """sp_model_forward (the critic / reward-model path): gathered logits and summed gradients vs HF."""
+    from tinyzero.models.ulysses import sp_model_forward
+
+    inputs = [batch[k] for k in ("input_ids", "attention_mask", "position_ids")]
+    weights = torch.randn(batch["input_ids"].shape + (hf.config.vocab_size,), dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(5)) * batch["attention_mask"][..., None]
+    outs = []
+    for m in (hf, model):
+        m.zero_grad()
+        logits = m(*inputs).logits if m is hf else sp_model_forward(m, *inputs, group)
+        (logits * weights).sum().backward()
+        outs.append(logits.detach())
+    real = batch["attention_mask"].bool()
+    return dict(logits=(outs[0] - outs[1])[real].abs().max().item(), grads=_summed_grad_diff(model, hf, group))
 
 
 def _rank_main(model_dirs: dict, mem_seq: int) -> dict:
@@ -116,6 +183,29 @@ def test_sp2_matches_single_process(sp_results, model, packing):
         assert r["log_probs"] < TOL and r["entropy"] < TOL, f"rank {rank} {model} {packing}: {r}"
         assert r["log_probs_hf"] < TOL and r["entropy_hf"] < TOL, f"rank {rank} {model} {packing}: {r}"
         assert r["grads"] < TOL, f"rank {rank} {model} {packing}: summed gradients differ by {r['grads']}"
+
+
+@pytest.mark.parametrize("model", ["kv2", "kv1"])
+def test_sp2_with_fsdp_checkpointing_and_gathered_forward(sp_results, model):
+    for rank, res in enumerate(sp_results):
+        r = res[model]
+        assert r["checkpointing"] < TOL, f"rank {rank}: gradients with activation checkpointing differ"
+        assert r["fsdp"] < TOL, f"rank {rank}: FSDP2 gradients (loss x sp) differ by {r['fsdp']}"
+        assert r["model_forward"]["logits"] < TOL and r["model_forward"]["grads"] < TOL, (rank, r["model_forward"])
+
+
+def test_live_tensor_bytes_counts_alive_storages():
+    from bench.long_context import LiveTensorBytes
+
+    with LiveTensorBytes() as mem:
+        a = torch.empty(1 << 20)  # 4 MiB
+        view = a[:10]  # same storage: not counted again
+        b = torch.ones(1 << 18, dtype=torch.float64)  # 2 MiB
+        del a, view
+        c = b + 1  # 2 MiB more, peak 8 MiB was reached before
+        del b, c
+    assert mem.peak == (4 << 20) + (2 << 20)
+    assert mem.live == 0
 
 
 def test_ulysses_attention_without_group_is_sdpa(sp_results):

@@ -21,7 +21,9 @@ mask: HF would otherwise build a mask for the local slice. The mask is a boolean
 (batch, 1, S, S) tensor, which HF passes to attention unchanged; when every row's real tokens
 are a prefix with positions 0.. (no left or inner padding) no mask is needed and attention
 is plain causal (no S x S tensor). A 2-D padding mask or a 4-D packed mask
-(tinyzero.workers.packing, "remove_padding" / "shared_prefix") are both accepted.
+(tinyzero.workers.packing, "remove_padding" / "shared_prefix") are both accepted. Memory: a
+mask is (batch, S, S) booleans on EVERY rank of the group (attention sees all queries after
+the all-to-all), so it does not shrink with sp; for long rows prefer unpadded inputs.
 
 The process group reaches the attention as a forward keyword (`sp_group`) that HF hands down
 to every attention call, not as global state: activation checkpointing recomputes the layers
