@@ -39,7 +39,12 @@ LIST_INTERVAL_S = 1.0
 def _write_probe(path: str, name: str, rank: int, host0: str) -> str | None:
     """Write `<path>/<name>/rank_<rank>` (the probe folder must already exist); None, or what went wrong."""
     probe_dir = os.path.join(path, name)
-    if not os.path.isdir(probe_dir):
+    for attempt in range(LIST_ATTEMPTS):
+        if os.path.isdir(probe_dir):
+            break
+        if attempt + 1 < LIST_ATTEMPTS:
+            time.sleep(LIST_INTERVAL_S)
+    else:
         return f"rank {rank} (host {socket.gethostname()}) does not see {probe_dir}, which rank 0 (host {host0}) created"
     try:
         with open(os.path.join(probe_dir, f"rank_{rank}"), "w") as f:
@@ -62,9 +67,9 @@ def _missing_ranks(probe_dir: str, world: int) -> list[int]:
     return missing
 
 
-def _ranks_text(ranks: list[int], limit: int = 16) -> str:
-    shown = ", ".join(str(r) for r in ranks[:limit])
-    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+def _first(items: list[str], limit: int, sep: str) -> str:
+    """The first `limit` items joined, and how many more there are."""
+    return sep.join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def check_shared_folder(path: str, setting: str) -> None:
@@ -96,8 +101,8 @@ def check_shared_folder(path: str, setting: str) -> None:
         missing = [] if failed else _missing_ranks(probe_dir, world)
         shutil.rmtree(probe_dir, ignore_errors=True)
         if failed or missing:
-            detail = "; ".join(failed[:4]) + (f"; and {len(failed) - 4} more" if len(failed) > 4 else "") \
-                if failed else f"rank 0 does not see the files ranks {_ranks_text(missing)} wrote into {probe_dir}"
+            detail = _first(failed, 4, "; ") if failed else \
+                f"rank 0 does not see the files ranks {_first([str(r) for r in missing], 16, ', ')} wrote into {probe_dir}"
             verdict[0] = (f"{path} (set by {setting}) must be on a filesystem shared by all nodes and mounted at "
                           f"the same path on each (NFS, Lustre, GPFS, ...): every rank writes its checkpoint shards "
                           f"there and a resume reads shards other ranks wrote. {detail}. Set {setting} to a folder "
