@@ -99,17 +99,22 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return finish_responses(tokens, log_probs, stop_ids, steps, params.pad_token_id)
 
 
-def finish_responses(tokens: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Tensor, steps: int,
-                     pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep each row up to and including its first stop token (within the first `steps` tokens);
-    pad / zero the rest. tokens, log_probs: (B, R)."""
+def finish_responses(tokens: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Tensor,
+                     lengths: int | torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep each row up to and including its first stop token (within its first `lengths` tokens: one
+    count for every row, or a (B,) tensor of per-row counts); pad / zero the rest. tokens, log_probs: (B, R).
+    Returns responses (B, R), response_mask (B, R) int64 and log_probs (B, R)."""
     R = tokens.shape[1]
-    in_range = torch.arange(R, device=tokens.device) < steps  # (R,)
+    positions = torch.arange(R, device=tokens.device)
+    if isinstance(lengths, torch.Tensor):
+        in_range = positions[None, :] < lengths.to(tokens.device)[:, None]  # (B, R)
+    else:
+        in_range = (positions < lengths).expand(tokens.shape)  # (B, R)
     if stop_ids.numel():
-        hits = torch.isin(tokens, stop_ids).long()  # (B, R)
+        hits = torch.isin(tokens, stop_ids.to(tokens.device)).long()  # (B, R)
         stops_before = hits.cumsum(dim=1) - hits  # stop tokens strictly before t
         mask = (stops_before == 0) & in_range
     else:
-        mask = in_range.expand(tokens.shape)
+        mask = in_range
     responses = torch.where(mask, tokens, torch.full_like(tokens, pad_token_id))
     return responses, mask.long(), torch.where(mask, log_probs, torch.zeros_like(log_probs))

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tinyzero.protocol import DataProto
+from tinyzero.rollout.generate import finish_responses
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -46,23 +47,27 @@ def raw_prompt_token_ids(prompts: DataProto) -> list[list[int]]:
 
 def pad_responses(token_lists: list[list[int]], logprob_lists: list[list[float]], length: int,
                   pad_token_id: int, stop_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad ragged responses to `length`; cut each after its first stop token."""
+    """Right-pad ragged responses to `length`; cut each after its first stop token (finish_responses).
+    Returns responses (rows, length) int64, response_mask (rows, length) int64, log_probs (rows, length) fp32."""
     rows = len(token_lists)
-    responses = torch.full((rows, length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(rows, length, dtype=torch.long)
+    tokens = torch.full((rows, length), pad_token_id, dtype=torch.long)
     log_probs = torch.zeros(rows, length, dtype=torch.float32)
-    stops = set(stop_token_ids)
+    lengths = torch.zeros(rows, dtype=torch.long)  # tokens per row
+    num_log_probs = torch.zeros(rows, dtype=torch.long)  # log-probs per row
     for i, (toks, lps) in enumerate(zip(token_lists, logprob_lists)):
-        toks = list(toks)[:length]
-        for j, tok in enumerate(toks):
-            if tok in stops:
-                toks = toks[: j + 1]
-                break
-        k = len(toks)
-        if k:
-            responses[i, :k] = torch.tensor(toks, dtype=torch.long)
-            mask[i, :k] = 1
-            log_probs[i, :k] = torch.tensor(list(lps)[:k], dtype=torch.float32)
+        toks, lps = list(toks)[:length], list(lps)[:length]
+        lengths[i], num_log_probs[i] = len(toks), len(lps)
+        if toks:
+            tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        if lps:
+            log_probs[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long)
+    responses, mask, log_probs = finish_responses(tokens, log_probs, stop_ids, lengths, pad_token_id)
+    short = (mask.sum(dim=1) > num_log_probs).nonzero()
+    if short.numel():
+        i = int(short[0])
+        raise ValueError(f"response {i} keeps {int(mask[i].sum())} tokens but has {int(num_log_probs[i])} log-probs; "
+                         "the engine must return one log-prob per generated token")
     return responses, mask, log_probs
 
 
