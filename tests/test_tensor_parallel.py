@@ -48,29 +48,40 @@ def _params(model) -> dict:
 
 
 def _policy_step(model, rows=slice(None), scale: float = 1.0):
-    """Response log-probs / entropy via the workers' token_log_probs, full logits, then one AdamW step."""
-    from tinyzero.workers.forward import attach_log_prob_method
+    """Response log-probs / entropy as the workers compute them (plain and packed), the full logits, then
+    one AdamW step."""
+    from tinyzero.workers.forward import attach_log_prob_method, response_log_probs
 
     ids, mask, pos, adv = (t[rows] for t in _batch(model.config.vocab_size))
     attach_log_prob_method(model)
     model.train()
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -RESP:]}
+    with torch.no_grad():
+        packed = [t.numpy() for p in ("remove_padding", "shared_prefix")
+                  for t in response_log_probs(model, batch, TEMP, True, p)]
     logp, ent = model.token_log_probs(ids, mask, pos, ids[:, -RESP:], TEMP, return_entropy=True)
     loss = (-(logp * adv).sum() - 0.01 * ent.sum()) / (ROWS * RESP) * scale
     loss.backward()
     torch.optim.AdamW(model.parameters(), **OPTIM).step()
     with torch.no_grad():
         logits = _full(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits)
-    return logp.detach().numpy(), ent.detach().numpy(), logits.numpy(), _params(model)
+    return logp.detach().numpy(), ent.detach().numpy(), logits.numpy(), *packed, _params(model)
 
 
 def _value_step(model, rows=slice(None), scale: float = 1.0):
+    """Values at every position, response values packed, then one AdamW step on a squared error."""
+    from tinyzero.workers.forward import response_values
+
     ids, mask, pos, adv = (t[rows] for t in _batch(model.config.vocab_size))
     model.train()
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -RESP:]}
+    with torch.no_grad():
+        packed = response_values(model, batch, "remove_padding").numpy()
     values = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0]  # (rows, seq)
     loss = ((values[:, -RESP - 1:-1] - adv) ** 2).sum() / (ROWS * RESP) * scale
     loss.backward()
     torch.optim.AdamW(model.parameters(), **OPTIM).step()
-    return values.detach().numpy(), _params(model)
+    return values.detach().numpy(), packed, _params(model)
 
 
 def _tiny_llama():
@@ -81,6 +92,21 @@ def _tiny_llama():
                          num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                          tie_word_embeddings=False, max_position_embeddings=64, attn_implementation="sdpa")
     return LlamaForCausalLM(config).double()
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(4)
+    config = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         max_position_embeddings=64, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(config).double()
+    with torch.no_grad():  # q_norm / k_norm start at 1: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def _qwen2(path):
@@ -212,7 +238,7 @@ def _model_ranks(path):
     mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp_shard", "tp"))["tp"]
     out = {}
     for name, build, step in (("qwen2", _qwen2, _policy_step), ("llama", lambda p: _tiny_llama(), _policy_step),
-                              ("critic", _critic, _value_step)):
+                              ("qwen3", lambda p: _tiny_qwen3(), _policy_step), ("critic", _critic, _value_step)):
         model = build(path)
         tied = model.get_output_embeddings() is not None and \
             model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -227,7 +253,7 @@ def _model_ranks(path):
 def _references(path):
     torch.manual_seed(0)
     return {"qwen2": _policy_step(_qwen2(path)), "llama": _policy_step(_tiny_llama()),
-            "critic": _value_step(_critic(path))}
+            "qwen3": _policy_step(_tiny_qwen3()), "critic": _value_step(_critic(path))}
 
 
 def _compare(got, want, name):
@@ -246,7 +272,7 @@ def test_tp2_models_match_the_untouched_model(tiny_model_dir):
     ranks = run_distributed(_model_ranks, 2, tiny_model_dir, timeout=300)
     ref = _references(tiny_model_dir)
     full = {"qwen2": _local_numel(_qwen2(tiny_model_dir)), "llama": _local_numel(_tiny_llama()),
-            "critic": _local_numel(_critic(tiny_model_dir))}
+            "qwen3": _local_numel(_tiny_qwen3()), "critic": _local_numel(_critic(tiny_model_dir))}
     for name in ref:
         for per_rank in ranks:
             result, numel, expected = per_rank[name]
@@ -297,3 +323,25 @@ def test_tp2_fsdp2_on_a_worker_mesh_matches_one_rank(tiny_model_dir):
             _compare((*outs, params), (*outs_ref, want[-1]), f"tp2 x dp2 {kind}")
             # 1 / (tp x dp) of the model, plus the replicated norms / head each tp rank also holds a quarter of
             assert numel < 0.3 * full[kind], f"{kind}: {numel} of {full[kind]} parameters on one rank"
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def test_layouts_tp_cannot_split_are_refused_with_the_setting_to_change(tiny_model_dir):
+    from transformers import Qwen2Config
+
+    from tinyzero.models.tensor_parallel import check_tensor_parallel, tensor_parallel_plan
+
+    config = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2)
+    check_tensor_parallel(config, 2)  # an uneven vocabulary is fine: DTensor splits it 130 / 129
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        check_tensor_parallel(config, 4)
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        check_tensor_parallel(config, 3)
+    model = _qwen2(tiny_model_dir)
+    assert len(tensor_parallel_plan(model)) == 2 + 2 * 11 + 1  # embed, final norm, 11 per block, lm_head
+    model.model.layers[1].self_attn.q_proj = torch.nn.Identity()
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj is Identity"):
+        tensor_parallel_plan(model)

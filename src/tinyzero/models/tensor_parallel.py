@@ -8,7 +8,9 @@ The plan (Megatron's layout, written with torch.distributed.tensor.parallel as t
 - embed_tokens: sharded along the vocabulary (RowwiseParallel on nn.Embedding); its output leaves
   sequence-sharded (Shard(1)) after one reduce-scatter;
 - input / post-attention / final RMSNorms (and Qwen3's per-head q_norm / k_norm): sequence-parallel,
-  their weights replicated; the residual stream between blocks stays a Shard(1) DTensor;
+  their weights replicated; the residual stream between blocks stays a Shard(1) DTensor; the final
+  norm's output is all-gathered into a plain tensor (the same on every rank), so `last_hidden_state`
+  is sliced, packed and indexed by callers exactly as without TP;
 - attention and MLP inputs are all-gathered along the sequence; q/k/v (with their bias on Qwen2)
   and gate/up are column-parallel, so each rank runs attention on its own heads (HF reshapes with
   `view(*shape, -1, head_dim)`, so the local head count needs no change); o/down are row-parallel
@@ -34,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -140,7 +143,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         name = next(n for n, m in model.named_modules() if m is head)
-        plan[name] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
     for name in _HEADS:
         if isinstance(getattr(model, name, None), nn.Module):
             plan[name] = ReplicatedHead()
@@ -164,6 +167,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = out is not None and out.weight is inp.weight
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    # The final norm's output is gathered once into a plain tensor, the same on every rank: callers slice,
+    # pack and index `last_hidden_state` as without TP, and the heads need the whole sequence anyway.
+    parallelize_module(_backbone(model).norm, tp_mesh,
+                       PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                           use_local_output=True))
     if tied:  # both styles shard the weight Shard(0): keep one parameter for both uses
         out.weight = inp.weight
     return model
