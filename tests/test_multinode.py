@@ -159,10 +159,9 @@ class Nodes:
                 f"--rdzv_id=tinyzero-{uuid.uuid4().hex[:8]}", "--rdzv_conf=join_timeout=120"]
         self.logs = [root / f"{run}.{attempt}.node{n}.log" for n in range(2)]
         self.procs = []
-        for node, log in enumerate(self.logs):
+        for log in self.logs:  # with c10d the agents' join order, not a node rank, numbers the nodes
             with open(log, "w") as f:
-                cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--node_rank={node}",
-                       os.path.join(ROOT, "train.py"), *args]
+                cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, os.path.join(ROOT, "train.py"), *args]
                 self.procs.append(subprocess.Popen(cmd, env={**ENV, **env}, cwd=ROOT, stdout=f,
                                                    stderr=subprocess.STDOUT))
 
@@ -203,14 +202,28 @@ def setup(tmp_path_factory, tiny_model_dir):
     return SimpleNamespace(root=root, model=tiny_model_dir)
 
 
+@pytest.fixture
+def launch(setup):
+    """Nodes(setup, ...) that are all killed at the end of the test, whatever happened."""
+    started: list[Nodes] = []
+
+    def start(run: str, attempt: str, env: dict) -> Nodes:
+        started.append(Nodes(setup, run, attempt, env))
+        return started[-1]
+
+    yield start
+    for nodes in started:
+        nodes.kill(range(2))
+
+
 def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("timing", "perf/"))}
 
 
 @pytest.mark.slow
-def test_two_nodes_train_survive_the_loss_of_a_node_and_resume(setup):
+def test_two_nodes_train_survive_the_loss_of_a_node_and_resume(setup, launch):
     root = setup.root
-    ref = Nodes(setup, "ref", "a", {})
+    ref = launch("ref", "a", {})
     assert ref.wait() == [0, 0], ref.logs_tail()
     expected = read_metrics(str(root / "ref"))
     assert [r["step"] for r in expected] == list(range(1, STEPS + 1))
@@ -219,7 +232,7 @@ def test_two_nodes_train_survive_the_loss_of_a_node_and_resume(setup):
     sealed = root / "run" / "checkpoints" / f"global_step_{SAVE_FREQ}" / "COMPLETE.json"
     ready = root / "run.fault"
     fault = {"FAULT_AFTER": str(sealed), "FAULT_READY": str(ready)}
-    job = Nodes(setup, "run", "a", fault)
+    job = launch("run", "a", fault)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not ready.exists():
         if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs):
@@ -250,7 +263,7 @@ def test_two_nodes_train_survive_the_loss_of_a_node_and_resume(setup):
     assert [r["step"] for r in read_metrics(str(root / "run"))] == [1, 2]
 
     # Both nodes again, the same command: resume from checkpoint 2 and finish.
-    again = Nodes(setup, "run", "b", {})
+    again = launch("run", "b", {})
     assert again.wait() == [0, 0], again.logs_tail()
     assert "resumed from" in again.log(0) + again.log(1)
     got = read_metrics(str(root / "run"))
