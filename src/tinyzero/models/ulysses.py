@@ -15,6 +15,11 @@ How a caller runs a model under sequence parallelism:
     out = backbone(**split.model_kwargs())                   # every rank of the group calls it
     hidden = gather_from_sp(out.last_hidden_state, sp_group, split.pad)   # only if all of it is needed
 
+The workers' paths in one call each: `attach_sp_log_prob_method(model, sp_group)` is the drop-in for
+tinyzero.workers.forward.attach_log_prob_method (then `response_log_probs` runs unchanged, padded or
+packed), and `sp_model_forward(model, ids, mask, pos, sp_group)` stands for `model(...)` where a
+small output is needed whole (critic values, reward scores).
+
 `split_for_sp` pads the sequence to a multiple of sp, keeps this rank's slice of the ids and
 position ids (RoPE then sees the true positions), and builds the FULL-sequence attention
 mask: HF would otherwise build a mask for the local slice. The mask is a boolean 4-D
@@ -285,13 +290,13 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          f"(..., {full}, {full}); got {tuple(attention_mask.shape)}. Build the model inputs with "
                          f"tinyzero.models.ulysses.split_for_sp and pass split.model_kwargs()")
     q, k, v = (seq_to_heads(t, sp_group) for t in (query, key, value))  # (batch, heads / sp, S, d)
-    if _flash_usable(q, attention_mask):
+    if _flash_usable(q, attention_mask) and kwargs.get("is_causal", getattr(module, "is_causal", True)):
         out = _flash(q, k, v, scaling, dropout, kwargs)
     else:
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        causal = attention_mask is None and getattr(module, "is_causal", True)
+        causal = attention_mask is None and kwargs.get("is_causal", getattr(module, "is_causal", True))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                              is_causal=causal)
     out = heads_to_seq(out, sp_group)  # (batch, heads, local_seq, d)
