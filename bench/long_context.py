@@ -138,38 +138,43 @@ def _rank(rank: int, world: int, port: int, model_dir: str, seq: int, out_dir: s
         dist.destroy_process_group()
 
 
-def main() -> None:
+def sp_peak_memory(seq: int, cap_mib: float) -> dict:
+    """Live peak bytes of one `seq`-token row at sp=1 (one rank) and sp=2 (2 gloo ranks, the busier one),
+    and the verdict against `cap_mib` (see the module docstring)."""
     import socket
 
     import torch.multiprocessing as mp
 
     from tinyzero.models.tiny import build_tiny_model
 
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(os.path.join(tmp, "model"), seed=0, max_position_embeddings=max(seq, 2048))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_rank, args=(2, port, model_dir, seq, tmp), nprocs=2, join=True)
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(2)]
+    sp1 = ranks[0]["sp1"]["live_peak_bytes"]
+    sp2 = max(r["sp2"]["live_peak_bytes"] for r in ranks)
+    cap = cap_mib * 2**20
+    return {"seq": seq, "model": "tiny qwen2 fp32 (hidden 64, 4 heads, 2 kv heads)",
+            "sp1_live_peak_mib": round(sp1 / 2**20, 2), "sp2_live_peak_mib_per_rank": round(sp2 / 2**20, 2),
+            "sp2_over_sp1": round(sp2 / sp1, 3),
+            "sp1_rss_peak_delta_mib": _mib(ranks[0]["sp1"]["rss_peak_delta_bytes"]),
+            "sp2_rss_peak_delta_mib_per_rank": [_mib(r["sp2"]["rss_peak_delta_bytes"]) for r in ranks],
+            "cap_mib": cap_mib, "sp1_exceeds_cap": sp1 > cap, "sp2_fits_cap": sp2 <= cap}
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=8192, help="tokens in the row (prompt + response)")
     parser.add_argument("--cap_mib", type=float, default=96.0,
                         help="memory cap (MiB) for the fits / exceeds verdict; 96 sits between sp=1 and sp=2 at 8192")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(os.path.join(tmp, "model"), seed=0, max_position_embeddings=max(args.seq, 2048))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank, args=(2, port, model_dir, args.seq, tmp), nprocs=2, join=True)
-        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(2)]
-    sp1 = ranks[0]["sp1"]["live_peak_bytes"]
-    sp2 = max(r["sp2"]["live_peak_bytes"] for r in ranks)
-    cap = args.cap_mib * 2**20
-    print(f"seq {args.seq}: live peak sp=1 {sp1 / 2**20:.1f} MiB, sp=2 {sp2 / 2**20:.1f} MiB per rank "
-          f"(cap {args.cap_mib:.0f} MiB)")
-    print(json.dumps({
-        "bench": "long_context", "seq": args.seq, "model": "tiny qwen2 fp32 (hidden 64, 4 heads, 2 kv heads)",
-        "sp1_live_peak_mib": round(sp1 / 2**20, 2), "sp2_live_peak_mib_per_rank": round(sp2 / 2**20, 2),
-        "sp2_over_sp1": round(sp2 / sp1, 3),
-        "sp1_rss_peak_delta_mib": _mib(ranks[0]["sp1"]["rss_peak_delta_bytes"]),
-        "sp2_rss_peak_delta_mib_per_rank": [_mib(r["sp2"]["rss_peak_delta_bytes"]) for r in ranks],
-        "cap_mib": args.cap_mib, "sp1_exceeds_cap": sp1 > cap, "sp2_fits_cap": sp2 <= cap,
-    }))
+    res = sp_peak_memory(args.seq, args.cap_mib)
+    print(f"seq {args.seq}: live peak sp=1 {res['sp1_live_peak_mib']:.1f} MiB, "
+          f"sp=2 {res['sp2_live_peak_mib_per_rank']:.1f} MiB per rank (cap {args.cap_mib:.0f} MiB)")
+    print(json.dumps({"bench": "long_context", **res}))
 
 
 def _mib(n):
