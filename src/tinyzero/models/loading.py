@@ -19,6 +19,7 @@ _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,
+    "fp64": torch.float64, "float64": torch.float64,  # CPU reference runs
 }
 
 
