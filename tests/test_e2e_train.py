@@ -111,7 +111,7 @@ def test_resume_after_kill_matches_uninterrupted(demo_setup):
 
 @pytest.mark.parametrize("extra,text", [
     ("--actor_rollout_ref.rollout.n=1", "rollout.n >= 2"),  # checked while parsing
-    ("--actor_rollout_ref.rollout.tensor_model_parallel_size=4", "must divide the actor pool size 2"),  # world size
+    ("--actor_rollout_ref.rollout.tensor_model_parallel_size=4", "tensor_model_parallel_size=4 must divide the pool size 2"),  # world size
     ("--trainer.total_epoch=3", "did you mean 'trainer.total_epochs'"),  # a misspelt flag
 ])
 def test_config_error_is_one_clear_line(demo_setup, extra, text):

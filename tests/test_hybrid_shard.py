@@ -49,7 +49,7 @@ def _hybrid_update(path: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     fsdp_cfg = FSDPConfig(fsdp_size=2)
     mesh = make_fsdp_mesh(fsdp_cfg, "cpu")
-    assert mesh.mesh_dim_names == ("replicate", "shard") and tuple(mesh.shape) == (2, 2)
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(mesh.shape) == (2, 2)
     model = load_sharded_model(ModelConfig(path=path, enable_gradient_checkpointing=False), fsdp_cfg, mesh)
     shards = {n: tuple(p.placements) for n, p in model.named_parameters()}
     model.train()

@@ -56,10 +56,6 @@ def test_configs_validate():
         ModelConfig(path="x", dtype="float8")
     with pytest.raises(ValueError, match="fsdp_size"):
         FSDPConfig(fsdp_size=0)
-    assert FSDPConfig().mesh_shape(4) == (1, 4)
-    assert FSDPConfig(fsdp_size=2).mesh_shape(4) == (2, 2)
-    with pytest.raises(ValueError, match="must divide"):
-        FSDPConfig(fsdp_size=3).mesh_shape(4)
 
 
 def test_load_causal_lm_matches_hf(tiny_model_dir):

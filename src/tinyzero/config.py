@@ -16,8 +16,9 @@ from typing import Literal
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.data.config import DataConfig
+from tinyzero.parallel import LayoutError
 from tinyzero.rewards.config import RewardConfig
-from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
+from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig, rollout_dims
 
 MODES = ("ppo", "sft", "rm", "dpo")
 
@@ -163,11 +164,6 @@ class TrainerConfig:
         if not isinstance(self.allow_config_change, str):
             raise ConfigError("trainer.allow_config_change must be a comma-separated string of field names or "
                               f"'all' (got {self.allow_config_change!r})")
-        if not self.collective_timeout_s > 0:
-            raise ConfigError(f"trainer.collective_timeout_s must be > 0 seconds (got {self.collective_timeout_s})")
-        if not self.hang_timeout_s >= 0:
-            raise ConfigError(f"trainer.hang_timeout_s must be >= 0 seconds, 0 to disable the watchdog "
-                              f"(got {self.hang_timeout_s})")
 
 
 @dataclass
@@ -320,14 +316,20 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} aggregates with "
                          f"{required_agg}: set actor_rollout_ref.actor.loss_agg_mode={required_agg} "
                          f"(got {arr.actor.loss_agg_mode!r})")
-    if cfg.data.train_batch_size < arr.actor.ppo_mini_batch_size:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} exceeds "
-                         f"data.train_batch_size={cfg.data.train_batch_size}; lower the mini-batch size")
-    if cfg.data.train_batch_size % arr.actor.ppo_mini_batch_size:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
-                         f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size}")
-    if arr.rollout.response_length not in (None, 0) and arr.rollout.response_length != cfg.data.max_response_length:
-        pass  # the trainer copies data lengths into the rollout config (see sync_derived_fields)
+    minis = [("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size)]
+    minis += [("critic", critic_mini_batch_size(cfg))] * (cfg.trainer.mode == "ppo" and cfg.use_critic)
+    for section, mini in minis:
+        if cfg.data.train_batch_size < mini:
+            raise ConfigError(f"{section}.ppo_mini_batch_size={mini} exceeds data.train_batch_size="
+                              f"{cfg.data.train_batch_size}; lower the mini-batch size")
+        if cfg.data.train_batch_size % mini:
+            raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                              f"{section}.ppo_mini_batch_size={mini}")
+
+
+def critic_mini_batch_size(cfg: Config) -> int:
+    """critic.ppo_mini_batch_size, or the actor's when unset (veRL's default)."""
+    return cfg.critic.ppo_mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
 
 
 def sync_derived_fields(cfg: Config) -> Config:
@@ -340,6 +342,7 @@ def sync_derived_fields(cfg: Config) -> Config:
     override(arr.rollout, "response_length", cfg.data.max_response_length, "actor_rollout_ref.rollout.response_length",
              "it follows data.max_response_length (set that instead)")
     override(cfg.critic, "rollout_n", arr.rollout.n, "critic.rollout_n", "it follows actor_rollout_ref.rollout.n")
+    cfg.critic.ppo_mini_batch_size = critic_mini_batch_size(cfg)
     # veRL's default: the rollout's log-prob pass batches like the actor's update unless set apart.
     if arr.actor.use_dynamic_bsz and not arr.rollout.log_prob_use_dynamic_bsz:
         arr.rollout.log_prob_use_dynamic_bsz = True
@@ -355,47 +358,39 @@ def sync_derived_fields(cfg: Config) -> Config:
 
 
 def check_world(cfg: Config, world_size: int) -> None:
-    """Checks that need the world size (run at start-up), with the setting to change in each message."""
+    """Checks that need the world size (run at start-up), with the setting to change in each message.
+
+    Each role's layout comes from tinyzero.parallel.ParallelDims (the same object its worker builds),
+    so a layout error here is the one the worker would raise, before anything starts."""
     arr = cfg.actor_rollout_ref
     actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
-    tp = arr.rollout.tensor_model_parallel_size
     if arr.rollout.name == "vllm" and cfg.trainer.placement != "colocate":
         raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
                           "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
-    if actor_ranks % tp:
-        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the actor pool "
-                         f"size {actor_ranks}; set it to a divisor of {actor_ranks}")
-    if cfg.trainer.mode != "ppo":
-        per = cfg.data.train_batch_size
-        if per % world_size:
-            raise ConfigError(f"data.train_batch_size={per} must be divisible by the {world_size} ranks; "
-                             f"set it to a multiple of {world_size}")
-        return
-    n = arr.rollout.n
-    _check_batch("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, n, actor_ranks,
-                 arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.use_dynamic_bsz)
-    rows = cfg.data.train_batch_size * n
-    if rows % actor_ranks:
-        raise ConfigError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
-                         f"{actor_ranks} actor ranks; make data.train_batch_size a multiple of {actor_ranks}")
-    if cfg.use_critic:
-        _check_batch("critic", cfg.critic.ppo_mini_batch_size, n, critic_ranks,
-                     cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz)
-        if rows % critic_ranks:
-            raise ConfigError(f"data.train_batch_size x rollout.n = {rows} responses do not split evenly over the "
-                             f"{critic_ranks} critic ranks; make data.train_batch_size a multiple of {critic_ranks}")
-
-
-def _check_batch(section: str, mini: int, n: int, ranks: int, micro: int | None, dynamic: bool) -> None:
-    rows = mini * n
-    if rows % ranks:
-        raise ConfigError(f"{section}.ppo_mini_batch_size x rollout.n = {rows} rows do not split over {ranks} ranks; "
-                         f"make {section}.ppo_mini_batch_size a multiple of {ranks}")
-    per_rank = rows // ranks
-    if micro is not None and not dynamic and per_rank % micro:
-        raise ConfigError(f"{section}: each rank gets {per_rank} rows per mini-batch (ppo_mini_batch_size {mini} x "
-                         f"n {n} / {ranks} ranks), not a multiple of ppo_micro_batch_size_per_gpu={micro}; "
-                         f"set ppo_micro_batch_size_per_gpu to a divisor of {per_rank}")
+    try:
+        if cfg.trainer.mode != "ppo":  # one model on every rank
+            arr.actor.parallel_dims(world_size).check_rows(cfg.data.train_batch_size, "data.train_batch_size",
+                                                           "data.train_batch_size")
+            return
+        rollout_dims(arr.rollout, actor_ranks)
+        actor = arr.actor.parallel_dims(actor_ranks)
+        n = arr.rollout.n
+        rows = cfg.data.train_batch_size * n
+        actor.rows_per_rank(arr.actor.ppo_mini_batch_size, n, arr.actor.ppo_micro_batch_size_per_gpu,
+                            arr.actor.use_dynamic_bsz)
+        actor.check_rows(rows, "data.train_batch_size x rollout.n responses", "data.train_batch_size")
+        if cfg.use_reference:
+            arr.ref.parallel_dims(actor_ranks).check_rows(rows, "data.train_batch_size x rollout.n responses",
+                                                          "data.train_batch_size")
+        if cfg.use_critic:
+            critic = cfg.critic.parallel_dims(critic_ranks)
+            critic.rows_per_rank(critic_mini_batch_size(cfg), n, cfg.critic.ppo_micro_batch_size_per_gpu,
+                                 cfg.critic.use_dynamic_bsz)
+            critic.check_rows(rows, "data.train_batch_size x rollout.n responses", "data.train_batch_size")
+        if cfg.reward_model.enable:
+            cfg.reward_model.parallel_dims(critic_ranks)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -20,7 +20,8 @@ class ModelConfig:
     """Allow executing model / tokenizer code shipped inside the model folder. Off unless you trust it."""
     dtype: str = "fp32"
     """Dtype of the weights held by the training process ("fp32" keeps fp32 master weights; compute dtype
-    is set by `FSDPConfig.mixed_precision`). "auto": bf16 on GPU, fp32 on CPU."""
+    is set by `FSDPConfig.mixed_precision`). "auto": bf16 on GPU, fp32 on CPU. "fp64" (with fp64 mixed
+    precision) gives float64 reference runs on CPU."""
     attn_implementation: str = "auto"
     """HF attention kernel: "auto" picks flash_attention_2 on GPU when installed, else sdpa."""
     enable_gradient_checkpointing: bool = True
@@ -95,7 +96,7 @@ class FSDPConfig:
     fsdp_size: int = -1
     """Ranks one copy of the model is sharded over. -1: all ranks of the pool (plain FSDP). A smaller
     divisor of the pool size gives hybrid sharding: shard within groups of `fsdp_size` ranks, replicate
-    across the pool_size / fsdp_size groups (2-D mesh ("replicate", "shard"))."""
+    across the pool_size / fsdp_size groups (2-D mesh ("dp_replicate", "dp_shard"); see tinyzero.parallel)."""
     param_offload: bool = False
     """Keep parameters (and gradients) on CPU between phases; loaded to the device for forward/backward.
     With `offload_policy=True` FSDP2's CPUOffloadPolicy keeps them on CPU all the time instead."""
@@ -115,13 +116,3 @@ class FSDPConfig:
             raise ValueError(f"fsdp_config.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive size")
         if isinstance(self.mixed_precision, dict):
             self.mixed_precision = MixedPrecisionConfig(**self.mixed_precision)
-
-    def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(replicate_size, shard_size) for a pool of `world_size` ranks."""
-        shard = world_size if self.fsdp_size in (-1, world_size) else self.fsdp_size
-        if shard > world_size or world_size % shard:
-            raise ValueError(
-                f"fsdp_config.fsdp_size={self.fsdp_size} must divide the pool size {world_size}; "
-                "set -1 to shard over all ranks"
-            )
-        return world_size // shard, shard

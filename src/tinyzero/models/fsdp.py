@@ -7,8 +7,9 @@
     load_fsdp_model(model, device); load_optimizer(optim, device)
 
 Layout: every decoder layer is its own FSDP unit and the root (embeddings, final norm,
-lm_head / score head) is the last; a 1-D mesh shards over all its ranks, a 2-D mesh
-(replicate, shard) is hybrid sharding (HSDP): shard within dim 1, replicate across dim 0.
+lm_head / score head) is the last; a 1-D mesh ("dp_shard",) shards over all its ranks, a 2-D mesh
+("dp_replicate", "dp_shard") is hybrid sharding (HSDP): shard within dim 1, replicate across dim 0
+(tinyzero.parallel.ParallelDims owns the layout).
 Parameters stay fp32 (master weights); MixedPrecisionPolicy casts them to bf16 for compute
 on GPU and reduces gradients in fp32; on CPU everything is fp32.
 """
@@ -30,23 +31,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.models.loading import check_model_path, load_model, pick_dtype
+from tinyzero.parallel import ParallelDims
 
 _KINDS = ("causal_lm", "value", "reward")
 
 
-def fsdp_mesh_layout(fsdp_config: FSDPConfig, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(shape, axis names) of an FSDP2 mesh over world_size ranks: 1-D ("fsdp",), or 2-D ("replicate", "shard")
-    when fsdp_size < world."""
-    replicate, shard = fsdp_config.mesh_shape(world_size)
-    if replicate == 1:
-        return (shard,), ("fsdp",)
-    return (replicate, shard), ("replicate", "shard")
-
-
 def make_fsdp_mesh(fsdp_config: FSDPConfig, device_type: str, world_size: int | None = None) -> DeviceMesh:
-    """Mesh over the whole world (fsdp_mesh_layout); a worker builds the same over its pool (workers.common)."""
-    shape, names = fsdp_mesh_layout(fsdp_config, world_size or dist.get_world_size())
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    """An FSDP2 mesh over the whole world (tinyzero.parallel lays it out; a worker builds the same over
+    its pool with ParallelDims.build_mesh(worker.device_mesh))."""
+    dims = ParallelDims.for_role(world_size or dist.get_world_size(), fsdp_config.fsdp_size)
+    return dims.build_mesh(lambda shape, names: init_device_mesh(device_type, shape, mesh_dim_names=names))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

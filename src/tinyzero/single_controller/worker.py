@@ -17,6 +17,8 @@ and whether it contributes to collected results:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -130,6 +132,33 @@ def _axis_group(ranks: list[int], pool: ResourcePool):
     key = (id(default), tuple(ranks))
     if key not in _AXIS_GROUPS:
         timeout = timedelta(seconds=pool.timeout_s if pool.timeout_s is not None else collective_timeout_s())
-        group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
+        with _names_from_ranks_only():
+            group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
         _AXIS_GROUPS[key] = (default, group)
     return _AXIS_GROUPS[key][1]
+
+
+@contextlib.contextmanager
+def _names_from_ranks_only():
+    """Name a locally synchronised group by its ranks alone while it is created.
+
+    torch names such a group by hashing its ranks together with the number of groups this process
+    already knows. Ranks of one pool can know different numbers (only the pool's first rank is in
+    its result group, and pools overlap), so the members of an axis would compute different names,
+    wait under different store keys and never meet. Every axis group is created once per rank set
+    (_AXIS_GROUPS), so its ranks alone name it uniquely.
+    """
+    c10d = dist.distributed_c10d
+    original = c10d._hash_ranks_to_str
+
+    def by_ranks(ranks) -> str:
+        name = hashlib.sha1(("tinyzero_axis_" + "_".join(map(str, ranks))).encode()).hexdigest()
+        if name in c10d._world.pg_names.values():  # cannot happen through _axis_group; keep torch's rule
+            return original(ranks)
+        return name
+
+    c10d._hash_ranks_to_str = by_ranks
+    try:
+        yield
+    finally:
+        c10d._hash_ranks_to_str = original

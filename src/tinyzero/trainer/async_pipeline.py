@@ -45,6 +45,7 @@ import numpy as np
 import torch.distributed as dist
 
 from tinyzero.algorithms.rollout_correction import seq_mis_keep
+from tinyzero.parallel import LayoutError
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.weight_bridge import open_bridge
 from tinyzero.single_controller import (
@@ -58,6 +59,7 @@ from tinyzero.trainer.checkpoint import save_trainer_state
 from tinyzero.trainer.loop import pop_metrics
 from tinyzero.trainer.metrics import timer
 from tinyzero.trainer.ppo import GEN_KEYS, GEN_NON_TENSOR_KEYS, PPOTrainer
+from tinyzero.workers.config import rollout_dims
 
 
 @dataclass
@@ -79,10 +81,12 @@ def pool_ranks(cfg, world_size: int) -> tuple[list[int], list[int]]:
     if not 0 < size < world_size:
         raise ConfigError(f"trainer.rollout_pool_size={cfg.trainer.rollout_pool_size} must leave ranks for the trainer "
                           f"pool (1..{world_size - 1}) with {world_size} ranks; the pipeline needs >= 2 ranks")
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    if size % tp or cfg.data.train_batch_size % (size // tp):
-        raise ConfigError(f"trainer.rollout_pool_size={size}: the rollout pool's {size // max(tp, 1)} data-parallel "
-                          f"groups must divide data.train_batch_size={cfg.data.train_batch_size}")
+    try:
+        rollout_dims(cfg.actor_rollout_ref.rollout, size).check_rows(
+            cfg.data.train_batch_size, f"data.train_batch_size on trainer.rollout_pool_size={size} ranks",
+            "data.train_batch_size")
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
     trainer = world_size - size
     return list(range(trainer)), list(range(trainer, world_size))
 
@@ -114,9 +118,10 @@ def build_async_roles(cfg, world_size: int):
             wgs[name].init_model()
     rollout.init_model()
     flush_pending()  # deliver the init results now: nothing may be left crossing pools before the first sync
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    arr = cfg.actor_rollout_ref
     roles = Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
-                  actor_rollout_dp_size=len(trainer_ranks), rollout_dp_size=len(rollout_ranks) // tp)
+                  actor_rollout_dp_size=arr.actor.parallel_dims(len(trainer_ranks)).dp_size,
+                  rollout_dp_size=rollout_dims(arr.rollout, len(rollout_ranks)).dp_size)
     return roles, rollout, bridge
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tinyzero.config import Config, check_model_context, pool_sizes, sync_derived_fields
+from tinyzero.config import Config, ConfigError, check_model_context, pool_sizes, sync_derived_fields
 from tinyzero.data import RLHFDataset
 from tinyzero.distributed import get_device, get_world_size
 from tinyzero.models.loading import load_hf_config
@@ -28,6 +28,7 @@ from tinyzero.single_controller import (
 from tinyzero.trainer.ppo import PPOTrainer
 from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
 from tinyzero.workers.actor_worker import ActorRolloutRefWorker
+from tinyzero.workers.config import rollout_dims
 from tinyzero.workers.critic_worker import CriticWorker
 from tinyzero.workers.reward_model import RewardModelWorker
 
@@ -45,7 +46,7 @@ class Roles:
 
 def build_roles(cfg: Config, world_size: int) -> Roles:
     """Create the pools and worker groups and initialise their models (critic and RM first, policy last)."""
-    actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
+    actor_ranks, _ = pool_sizes(cfg, world_size)
     arr_role = "actor_rollout_ref" if cfg.use_reference else "actor_rollout"
     policy = ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, arr_role)
     others = {}
@@ -67,10 +68,10 @@ def build_roles(cfg: Config, world_size: int) -> Roles:
     for name in ("critic", "reward_model", "actor_rollout"):
         if name in wgs:
             wgs[name].init_model()
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    del critic_ranks
+    arr = cfg.actor_rollout_ref
     return Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
-                 actor_rollout_dp_size=actor_ranks, rollout_dp_size=actor_ranks // tp)
+                 actor_rollout_dp_size=arr.actor.parallel_dims(actor_ranks).dp_size,
+                 rollout_dp_size=rollout_dims(arr.rollout, actor_ranks).dp_size)
 
 
 def prepare_config(cfg: Config, world_size: int):
@@ -82,7 +83,30 @@ def prepare_config(cfg: Config, world_size: int):
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_pos:
         check_model_context(cfg, int(max_pos))
+    check_model_layouts(cfg, world_size, hf_config)
     return hf_config
+
+
+def check_model_layouts(cfg: Config, world_size: int, hf_config) -> None:
+    """Each role's tensor / sequence parallel degrees must split the model's heads and sizes; checked
+    before anything starts, with the setting to change. (The critic starts from the same model.)"""
+    from tinyzero.models.tensor_parallel import check_tensor_parallel
+    from tinyzero.models.ulysses import check_heads
+
+    arr = cfg.actor_rollout_ref
+    actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
+    roles = [(arr.actor, actor_ranks)] + [(arr.ref, actor_ranks)] * cfg.use_reference
+    roles += [(cfg.critic, critic_ranks)] * cfg.use_critic
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for section, ranks in roles:
+        dims = section.parallel_dims(ranks)
+        try:
+            check_tensor_parallel(hf_config, dims.tp, f"{dims.section}.tensor_model_parallel_size")
+            if dims.sp > 1:
+                check_heads(heads // dims.tp, max(kv_heads // dims.tp, 1), dims.sp)
+        except ValueError as e:
+            raise ConfigError(f"{dims.section}: {e}") from None
 
 
 def build_ppo_trainer(cfg: Config) -> PPOTrainer:

@@ -158,6 +158,11 @@ class DPOTrainer(SupervisedTrainer):
 def check_dpo_config(cfg: Config, world_size: int) -> None:
     """Pairs must stay whole inside every rank's chunk, mini-batch and micro-batch."""
     actor = cfg.actor_rollout_ref.actor
+    arr = cfg.actor_rollout_ref
+    for section, role in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", arr.ref)):
+        if role.tensor_model_parallel_size > 1 or role.ulysses_sequence_parallel_size > 1:
+            raise ConfigError(f"trainer.mode=dpo trains data-parallel only; set {section}.tensor_model_parallel_size "
+                              f"and {section}.ulysses_sequence_parallel_size to 1")
     pairs = actor.ppo_mini_batch_size
     if cfg.data.train_batch_size % pairs:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "

@@ -32,14 +32,14 @@ from tinyzero.workers import checkpointing
 from tinyzero.workers.actor import PPOActor
 from tinyzero.workers.common import (
     base_only,
-    fsdp_mesh,
+    load_role_model,
     masked_mean_over_group,
     offload_after_init,
     on_device,
     peak_memory_gb,
     response_mask_of,
 )
-from tinyzero.workers.config import ActorRolloutRefConfig
+from tinyzero.workers.config import ActorRolloutRefConfig, rollout_dims
 from tinyzero.workers.forward import attach_log_prob_method
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
 from tinyzero.workers.packing import packing_mode, prepare_attention
@@ -61,13 +61,18 @@ class ActorRolloutRefWorker(Worker):
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref", "actor_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref", "actor_ref")
-        tp = int(getattr(config.rollout, "tensor_model_parallel_size", 1) or 1)
+        # One layout per role (tinyzero.parallel); each registers the data-parallel rank its methods dispatch by.
+        self.dims = {}
+        if self._is_actor:
+            self.dims["actor"] = config.actor.parallel_dims(self.world_size)
+        if self._is_ref:  # with LoRA the reference is the actor's model, adapters off: the actor's layout
+            shared = self._is_actor and config.model.lora_rank
+            self.dims["ref"] = self.dims["actor"] if shared else config.ref.parallel_dims(self.world_size)
         if self._is_rollout:
-            if self.world_size % tp:
-                raise ValueError(f"rollout.tensor_model_parallel_size={tp} must divide the pool size "
-                                 f"{self.world_size}")
             # Ranks of one tensor-parallel group generate from the same prompts; the first one reports.
-            self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
+            self.dims["rollout"] = rollout_dims(config.rollout, self.world_size)
+        for name, dims in self.dims.items():
+            self._register_dispatch_collect_info(name, dims.dp_rank(self.rank), dims.is_collect(self.rank))
         self.rows_per_mini_batch = self._rows_per_mini_batch() if self._is_actor else 0
         self.actor: PPOActor | None = None
         self.ref: PPOActor | None = None
@@ -79,26 +84,19 @@ class ActorRolloutRefWorker(Worker):
 
     def _rows_per_mini_batch(self) -> int:
         """veRL's normalisation: prompts x rollout.n responses, shared by the data-parallel ranks."""
-        actor = self.config.actor
-        n = int(getattr(self.config.rollout, "n", 1))
-        rows = actor.ppo_mini_batch_size * n
-        if rows % self.world_size:
-            raise ValueError(f"actor.ppo_mini_batch_size * rollout.n = {rows} is not divisible by the "
-                             f"{self.world_size} data-parallel ranks; change ppo_mini_batch_size")
         # A micro-batch size that does not divide it is fine: the last micro-batch is shorter and
         # the loss scaling is exact for any split.
-        return rows // self.world_size
+        n = int(getattr(self.config.rollout, "n", 1))
+        return self.dims["actor"].rows_per_rank(self.config.actor.ppo_mini_batch_size, n)
 
     # ------------------------------------------------------------------ init
-    def _build_fsdp_model(self, fsdp_config, trainable: bool):
-        from tinyzero.models.fsdp import load_sharded_model
-
+    def _build_fsdp_model(self, fsdp_config, dims, trainable: bool):
         model_config = self.config.model
         if not trainable and model_config.enable_gradient_checkpointing:
             model_config = dataclasses.replace(model_config, enable_gradient_checkpointing=False)
         if not trainable and model_config.lora_rank:  # a reference on its own pool: the base model
             model_config = dataclasses.replace(model_config, lora_rank=0)
-        model = load_sharded_model(model_config, fsdp_config, fsdp_mesh(self, fsdp_config), kind="causal_lm")
+        model = load_role_model(self, model_config, fsdp_config, dims, "causal_lm")
         if not trainable:
             model.requires_grad_(False)
         prepare_attention(model, packing_mode(model_config))
@@ -115,22 +113,22 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         if self._is_actor:
             fsdp = cfg.actor.fsdp_config
-            model = self._build_fsdp_model(fsdp, trainable=True)
+            model = self._build_fsdp_model(fsdp, self.dims["actor"], trainable=True)
             optimizer = build_optimizer(model.parameters(), cfg.actor.optim)
             scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
-            self.actor = PPOActor(cfg.actor, model, optimizer, scheduler, dp_group=self.process_group,
-                                  dp_size=self.world_size, device=self.device)
+            self.actor = PPOActor(cfg.actor, model, optimizer, scheduler, dp_group=self._dp_group("actor"),
+                                  dp_size=self.dims["actor"].fsdp_size, device=self.device)
             self.actor.packing = packing_mode(cfg.model)
             offload_after_init(model, fsdp, optimizer)
         if self._is_ref and self.actor is not None and cfg.model.lora_rank:
             # LoRA: the reference is the actor's model with its adapters disabled (no second copy).
-            self.ref = PPOActor(cfg.actor, self.actor.model, dp_group=self.process_group, dp_size=self.world_size,
-                                device=self.device)
+            self.ref = PPOActor(cfg.actor, self.actor.model, dp_group=self._dp_group("actor"),
+                                dp_size=self.dims["actor"].fsdp_size, device=self.device)
             self.ref.packing = self.actor.packing
         elif self._is_ref:
             fsdp = cfg.ref.fsdp_config
-            model = self._build_fsdp_model(fsdp, trainable=False)
-            self.ref = PPOActor(cfg.actor, model, dp_group=self.process_group, dp_size=self.world_size,
+            model = self._build_fsdp_model(fsdp, self.dims["ref"], trainable=False)
+            self.ref = PPOActor(cfg.actor, model, dp_group=self._dp_group("ref"), dp_size=self.dims["ref"].fsdp_size,
                                 device=self.device)
             self.ref.packing = packing_mode(cfg.model)
             offload_after_init(model, fsdp)
@@ -138,6 +136,9 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = self._build_rollout()
             self.stop_token_ids = self._stop_token_ids()
         self._weights_version += 1
+
+    def _dp_group(self, role: str):
+        return self.dims[role].dp_group(self.device_mesh, self.process_group)
 
     def _check_rollout_pool(self) -> None:
         """vLLM (external_launcher) builds its parallel groups over the whole torchrun world, so its
@@ -171,10 +172,10 @@ class ActorRolloutRefWorker(Worker):
 
         cfg = self.config
         hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code, cfg.model.override_config)
-        tp = int(getattr(cfg.rollout, "tensor_model_parallel_size", 1) or 1)
+        dims = self.dims["rollout"]
         # Without an actor in this process the engine starts from the checkpoint's weights.
         return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
-                             device=self.device, dp_rank=self.rank // tp, load_weights=self.actor is None,
+                             device=self.device, dp_rank=dims.dp_rank(self.rank), load_weights=self.actor is None,
                              trust_remote_code=cfg.model.trust_remote_code)
 
     # ------------------------------------------------------------------ rollout
@@ -271,7 +272,7 @@ class ActorRolloutRefWorker(Worker):
         return temperature, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz, \
             rollout.log_prob_max_token_len_per_gpu
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="actor")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """old_log_probs and entropys (rows, R) of the responses under the current actor."""
         if self.actor is None:
@@ -283,7 +284,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropys},
                                    meta_info={"temperature": temperature, "metrics": {"actor/entropy": entropy}})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="ref")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """ref_log_prob (rows, R) of the responses under the frozen reference policy."""
         if self.ref is None:
@@ -299,7 +300,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs}, meta_info={"temperature": temperature})
 
     # ------------------------------------------------------------------ update
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="actor")
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO update on this rank's rows; returns DataProto(meta_info={"metrics": {...}})."""
         if self.actor is None:

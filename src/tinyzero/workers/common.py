@@ -1,9 +1,9 @@
 """Pieces every FSDP2 worker shares: its mesh, device residency around phases, tensor metrics.
 
-`fsdp_mesh` lays out one role's FSDP2 mesh over the worker's pool (1-D over all pool ranks,
-or 2-D (replicate, shard) for hybrid sharding). `on_device` brings offloaded parameters
-(and optionally optimizer state) to the device for one phase and offloads them again after,
-when the FSDP config asks for offloading between phases.
+`load_role_model` loads one role's model sharded over the worker's pool with the layout of its
+ParallelDims (1-D over all pool ranks, or 2-D (dp_replicate, dp_shard) for hybrid sharding).
+`on_device` brings offloaded parameters (and optionally optimizer state) to the device for one
+phase and offloads them again after, when the FSDP config asks for offloading between phases.
 """
 
 from __future__ import annotations
@@ -14,14 +14,28 @@ import torch
 from torch import nn
 
 from tinyzero.models.config import FSDPConfig
+from tinyzero.parallel import ParallelDims
 from tinyzero.workers.scaling import all_reduce_sum
 
 
-def fsdp_mesh(worker, fsdp_config: FSDPConfig):
-    """The FSDP2 DeviceMesh of a role over `worker`'s pool."""
-    from tinyzero.models.fsdp import fsdp_mesh_layout
+def load_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: ParallelDims, kind: str):
+    """Load one role's model over `worker`'s pool with the layout `dims` (tinyzero.parallel): tensor
+    parallelism over its tp axis, FSDP2 over the rest. With sequence parallelism the model's attention
+    becomes Ulysses' and `model.sp_group` holds the group that splits a sequence (else None)."""
+    from tinyzero.models.fsdp import load_sharded_model
 
-    return worker.device_mesh(*fsdp_mesh_layout(fsdp_config, worker.world_size))
+    mesh = dims.build_mesh(worker.device_mesh)
+    model = load_sharded_model(model_config, fsdp_config, dims.fsdp_mesh(mesh), kind=kind,
+                               tp_mesh=dims.tp_mesh(mesh))
+    model.sp_group = dims.sp_group(worker.device_mesh)
+    if model.sp_group is not None:
+        from tinyzero.models.ulysses import ULYSSES_ATTENTION, check_heads
+
+        cfg = model.config
+        check_heads(cfg.num_attention_heads // dims.tp,
+                    (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // dims.tp, dims.sp)
+        model.set_attn_implementation(ULYSSES_ATTENTION)
+    return model
 
 
 def offloads_params(fsdp_config: FSDPConfig) -> bool:

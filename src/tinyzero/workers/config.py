@@ -10,10 +10,12 @@ the data-parallel size); every `*_per_gpu` size counts rows on one rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
 from tinyzero.algorithms import LOSS_AGG_MODES
 from tinyzero.models.config import FSDPConfig, ModelConfig
+from tinyzero.parallel import ParallelDims
 from tinyzero.rollout.config import RolloutConfig
 
 WARMUP_STYLES = ("constant", "cosine")
@@ -24,6 +26,43 @@ def _check_positive_or_none(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{name} must be a positive integer or None (got {value}); "
                          f"set it to e.g. 4, or None to use the whole per-rank batch in one pass")
+
+
+class HasLayout:
+    """A role section with an `fsdp_config`: its parallel layout comes from here (tinyzero.parallel)."""
+
+    SECTION: ClassVar[str] = ""
+
+    def parallel_dims(self, pool_size: int) -> ParallelDims:
+        """This role's layout on a pool of `pool_size` ranks, validated (messages name this section)."""
+        return ParallelDims.for_role(pool_size, self.fsdp_config.fsdp_size,
+                                     tp=getattr(self, "tensor_model_parallel_size", 1),
+                                     sp=getattr(self, "ulysses_sequence_parallel_size", 1), section=self.SECTION)
+
+
+@dataclass
+class ParallelLayout(HasLayout):
+    """The tensor / sequence parallel degrees of a training role (actor, reference, critic)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallelism (DTensor, Megatron's layout: column-parallel q/k/v and gate/up, row-parallel
+    o/down, vocabulary-parallel embedding, lm_head and log-probs) over this many consecutive ranks;
+    FSDP2 shards over the rest. Must divide the pool size, the heads, kv-heads and intermediate size."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: this many ranks hold the same samples and split their sequence
+    (an all-to-all around attention trades it for a head split). Must divide the ranks left after
+    tensor parallelism and the attention heads each tensor-parallel rank holds."""
+
+    def check_layout(self) -> None:
+        for name in ("tensor_model_parallel_size", "ulysses_sequence_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{self.SECTION}.{name} must be >= 1 (got {getattr(self, name)})")
+
+
+def rollout_dims(rollout: RolloutConfig, pool_size: int) -> ParallelDims:
+    """The rollout engines' layout: tensor-parallel groups of consecutive ranks, one data chunk each."""
+    return ParallelDims.for_role(pool_size, tp=rollout.tensor_model_parallel_size,
+                                 section="actor_rollout_ref.rollout")
 
 
 def _check_contents(name: str, contents: list[str]) -> None:
@@ -115,8 +154,10 @@ class CheckpointContentsConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(ParallelLayout):
     """The PPO policy update (`actor_rollout_ref.actor`)."""
+
+    SECTION: ClassVar[str] = "actor_rollout_ref.actor"
 
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step (times rollout.n responses), over all data-parallel ranks."""
@@ -167,6 +208,7 @@ class ActorConfig:
     """What actor checkpoints hold."""
 
     def __post_init__(self):
+        self.check_layout()
         if self.ppo_mini_batch_size <= 0:
             raise ValueError(f"actor.ppo_mini_batch_size must be > 0 (got {self.ppo_mini_batch_size})")
         _check_positive_or_none("actor.ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu)
@@ -192,8 +234,10 @@ class ActorConfig:
 
 
 @dataclass
-class RefConfig:
+class RefConfig(ParallelLayout):
     """The frozen reference policy (`actor_rollout_ref.ref`)."""
+
+    SECTION: ClassVar[str] = "actor_rollout_ref.ref"
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Rows per forward on one rank; None = the rank's whole batch."""
@@ -205,6 +249,7 @@ class RefConfig:
     """FSDP2 sharding of the reference model (parameter offload is useful: it only runs forward)."""
 
     def __post_init__(self):
+        self.check_layout()
         _check_positive_or_none("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu)
         if self.log_prob_max_token_len_per_gpu <= 0:
             raise ValueError("ref.log_prob_max_token_len_per_gpu must be > 0")
@@ -231,8 +276,10 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(ParallelLayout):
     """The value model and its update (`critic`)."""
+
+    SECTION: ClassVar[str] = "critic"
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The causal LM the value model starts from (its backbone; the scalar head is new)."""
@@ -242,8 +289,9 @@ class CriticConfig:
     """FSDP2 sharding of the critic."""
     rollout_n: int = 1
     """Responses per prompt (the trainer copies actor_rollout_ref.rollout.n)."""
-    ppo_mini_batch_size: int = 256
-    """Prompts per optimizer step (times rollout_n rows), over all data-parallel ranks."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (times rollout_n rows), over all data-parallel ranks; None = the
+    actor's actor_rollout_ref.actor.ppo_mini_batch_size (veRL's default)."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Rows per forward/backward on one rank; None = the rank's whole mini-batch."""
     forward_micro_batch_size_per_gpu: int | None = None
@@ -270,10 +318,11 @@ class CriticConfig:
     """What critic checkpoints hold."""
 
     def __post_init__(self):
+        self.check_layout()
         if self.rollout_n < 1:
             raise ValueError(f"critic.rollout_n must be >= 1 (got {self.rollout_n})")
-        if self.ppo_mini_batch_size <= 0:
-            raise ValueError(f"critic.ppo_mini_batch_size must be > 0 (got {self.ppo_mini_batch_size})")
+        if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size <= 0:
+            raise ValueError(f"critic.ppo_mini_batch_size must be > 0 or None (got {self.ppo_mini_batch_size})")
         _check_positive_or_none("critic.ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu)
         _check_positive_or_none("critic.forward_micro_batch_size_per_gpu", self.forward_micro_batch_size_per_gpu)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -287,8 +336,10 @@ class CriticConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(HasLayout):
     """A learned reward model (`reward_model`): a sequence-classification model from a local path."""
+
+    SECTION: ClassVar[str] = "reward_model"
 
     enable: bool = False
     """Score responses with the reward model; the trainer adds its score to the rule-based one."""

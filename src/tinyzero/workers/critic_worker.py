@@ -14,7 +14,7 @@ from __future__ import annotations
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
-from tinyzero.workers.common import fsdp_mesh, offload_after_init, on_device, peak_memory_gb
+from tinyzero.workers.common import load_role_model, offload_after_init, on_device, peak_memory_gb
 from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.critic import PPOCritic
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
@@ -27,39 +27,41 @@ class CriticWorker(Worker):
     def __init__(self, config: CriticConfig):
         super().__init__()
         self.config = config
-        rows = config.ppo_mini_batch_size * config.rollout_n
-        if rows % self.world_size:
-            raise ValueError(f"critic.ppo_mini_batch_size * rollout_n = {rows} is not divisible by the "
-                             f"{self.world_size} data-parallel ranks; change critic.ppo_mini_batch_size")
-        self.rows_per_mini_batch = rows // self.world_size  # any micro-batch size works (exact scaling)
+        self.dims = config.parallel_dims(self.world_size)
+        self._register_dispatch_collect_info("critic", self.dims.dp_rank(self.rank), self.dims.is_collect(self.rank))
+        # Any micro-batch size works (exact scaling); a mini-batch must split over the data-parallel ranks.
+        if config.ppo_mini_batch_size is None:
+            raise ValueError("critic.ppo_mini_batch_size is None: set it (the trainer fills it from "
+                             "actor_rollout_ref.actor.ppo_mini_batch_size)")
+        self.rows_per_mini_batch = self.dims.rows_per_rank(config.ppo_mini_batch_size, config.rollout_n)
         self.critic: PPOCritic | None = None
         self.tokenizer = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
         """Load the value model sharded over the pool, with AdamW and its lr schedule."""
-        from tinyzero.models.fsdp import load_sharded_model
         from tinyzero.models.loading import load_tokenizer
 
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
-        model = load_sharded_model(cfg.model, cfg.fsdp_config, fsdp_mesh(self, cfg.fsdp_config), kind="value")
+        model = load_role_model(self, cfg.model, cfg.fsdp_config, self.dims, "value")
         prepare_attention(model, packing_mode(cfg.model))
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         scheduler = build_lr_scheduler(optimizer, cfg.optim)
-        self.critic = PPOCritic(cfg, model, optimizer, scheduler, dp_group=self.process_group,
-                                dp_size=self.world_size, device=self.device)
+        dp_group = self.dims.dp_group(self.device_mesh, self.process_group)
+        self.critic = PPOCritic(cfg, model, optimizer, scheduler, dp_group=dp_group, dp_size=self.dims.fsdp_size,
+                                device=self.device)
         self.critic.packing = packing_mode(cfg.model)
         offload_after_init(model, cfg.fsdp_config, optimizer)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="critic")
     def compute_values(self, data: DataProto) -> DataProto:
         """values (rows, R) at the response positions (0 where response_mask is 0)."""
         with on_device(self.critic.model, self.config.fsdp_config, self.device):
             values = self.critic.compute_values(data)
         return DataProto.from_dict(tensors={"values": values})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="critic")
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss update on this rank's rows; DataProto(meta_info={"metrics": {...}})."""
         with on_device(self.critic.model, self.config.fsdp_config, self.device, self.critic.optimizer):

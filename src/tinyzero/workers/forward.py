@@ -64,9 +64,14 @@ def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, t
 
 
 def attach_log_prob_method(model: nn.Module) -> nn.Module:
-    """Give `model` a `token_log_probs(...)` method that FSDP2 treats like forward."""
+    """Give `model` a `token_log_probs(...)` method that FSDP2 treats like forward (under Ulysses when
+    the model has an `sp_group`: tinyzero.models.ulysses)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
+    if getattr(model, "sp_group", None) is not None:
+        from tinyzero.models.ulysses import attach_sp_log_prob_method
+
+        return attach_sp_log_prob_method(model, model.sp_group)
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); a causal LM is needed")
     model.token_log_probs = types.MethodType(_token_log_probs, model)
@@ -129,19 +134,27 @@ def response_log_probs(model: nn.Module, batch, temperature: float, return_entro
     return log_probs, entropy
 
 
+def _head_outputs(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """A scalar-head model's (rows, L, 1) outputs; gathered over the sequence under Ulysses."""
+    group = getattr(model, "sp_group", None)
+    if group is not None:
+        from tinyzero.models.ulysses import sp_model_forward
+
+        return sp_model_forward(model, input_ids, attention_mask, position_ids, group)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out
+
+
 def response_values(model: nn.Module, batch, packing: str = "none") -> torch.Tensor:
     """Value predictions (batch, R) fp32 of a token-level scalar-head model at response positions."""
     responses = batch["responses"]
     if packing != "none":
         packed, mask = _pack_batch(model, batch, packing)
-        out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
-                    use_cache=False)
-        logits = out.logits if hasattr(out, "logits") else out  # (rows, L, 1)
+        logits = _head_outputs(model, packed.input_ids, mask, packed.position_ids)  # (rows, L, 1)
         return packed.scatter(logits.reshape(-1).index_select(0, packed.hidden_index).float())
     r = responses.shape[1]
     ids, mask, pos, kept = trim_padding(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    logits = out.logits if hasattr(out, "logits") else out
+    logits = _head_outputs(model, ids, mask, pos)
     values = logits[:, -kept - 1:-1].squeeze(-1).float()  # (batch, kept)
     if kept < r:
         values = nn.functional.pad(values, (0, r - kept))

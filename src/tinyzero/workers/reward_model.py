@@ -18,7 +18,7 @@ import torch
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers.batching import make_micro_batches, restore_order
-from tinyzero.workers.common import fsdp_mesh, offload_after_init, on_device, reshard, response_mask_of
+from tinyzero.workers.common import load_role_model, offload_after_init, on_device, reshard, response_mask_of
 from tinyzero.workers.config import RewardModelConfig
 from tinyzero.workers.forward import attach_score_method
 
@@ -73,14 +73,13 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
-        from tinyzero.models.fsdp import load_sharded_model
         from tinyzero.models.loading import load_tokenizer
 
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         if cfg.input_tokenizer:
             self.input_tokenizer = load_tokenizer(cfg.input_tokenizer, cfg.model.trust_remote_code)
-        model = load_sharded_model(cfg.model, cfg.fsdp_config, fsdp_mesh(self, cfg.fsdp_config), kind="reward")
+        model = load_role_model(self, cfg.model, cfg.fsdp_config, cfg.parallel_dims(self.world_size), "reward")
         model.requires_grad_(False)
         self.model = attach_score_method(model)
         offload_after_init(self.model, cfg.fsdp_config)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
-from tinyzero.workers.common import fsdp_mesh
+from tinyzero.workers.common import load_role_model
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
 from tinyzero.workers.scaling import all_reduce_sum
 from tinyzero.workers.update import optimizer_step
@@ -83,13 +83,17 @@ class SupervisedWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
-        from tinyzero.models.fsdp import load_sharded_model
         from tinyzero.models.loading import load_tokenizer
 
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         fsdp = cfg.actor.fsdp_config
-        self.model = load_sharded_model(cfg.model, fsdp, fsdp_mesh(self, fsdp), kind=self.kind)
+        dims = cfg.actor.parallel_dims(self.world_size)
+        if dims.tp > 1 or dims.sp > 1:
+            raise ValueError(f"trainer.mode={self.mode} trains data-parallel only; set "
+                             "actor_rollout_ref.actor.tensor_model_parallel_size and ulysses_sequence_parallel_size "
+                             "to 1 (tensor and sequence parallelism apply to the PPO roles)")
+        self.model = load_role_model(self, cfg.model, fsdp, dims, self.kind)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim)
 
