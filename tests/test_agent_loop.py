@@ -4,7 +4,10 @@ Loop logic with a scripted inner engine (it answers each row from a script keyed
 the turn, so tool calls happen on cue): the responses are the scripted tokens and the observation
 tokens in order and equal the template's rendering of the whole conversation; response_mask is 1
 exactly on the scripted tokens; rollout_log_probs are the engine's there and 0 on observations;
-stop reasons, turn and tool counts, and the rows of each engine call. Then the real native engine
+stop reasons, turn and tool counts, and the rows of each engine call. A turn ends right after its
+tool call's closing tag (the scripted engine writes on past it, as an engine that ignores stop
+sequences would; the loop keeps the tokens up to the tag), or at the stop token with
+stop_at_tool_call off. Then the real native engine
 on the tiny model through build_rollout (rollout.multi_turn.enable, an environment that always
 answers): the actor's log-probs of the sampled tokens equal the engine's within 1e-4 (fp32).
 """
@@ -36,6 +39,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.calls: list[tuple[int, int]] = []  # (rows, response_length) per generate call
+        self.stop_sequences: list = []  # meta_info["stop_sequences"] of each call
 
     def generate_sequences(self, prompts):
         from tinyzero.rollout.outputs import build_output
@@ -44,6 +48,7 @@ class ScriptedEngine:
         R = int(prompts.meta_info["response_length"])
         assert prompts.meta_info["n"] == 1
         self.calls.append((ids.shape[0], R))
+        self.stop_sequences.append(prompts.meta_info.get("stop_sequences"))
         responses = torch.zeros(ids.shape[0], R, dtype=torch.long)
         rmask = torch.zeros_like(responses)
         lps = torch.zeros(ids.shape[0], R)
@@ -110,7 +115,16 @@ def _expected_response(tok, key, turns, observations):
             conv += observations[i]
     whole = tok.apply_chat_template(conv, tokenize=False)
     prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    return tok.encode(whole[len(prompt):].removesuffix("\n"), add_special_tokens=False)
+    text = whole[len(prompt):].removesuffix("\n")
+    if not _cut(turns[-1]).endswith(END):  # the last turn ended at its tool call: no end token sampled
+        text = text.removesuffix(END)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _cut(reply: str) -> str:
+    """A scripted turn as the loop keeps it: up to the first tool call's closing tag."""
+    at = reply.find("</tool_call>")
+    return reply if at < 0 else reply[:at + len("</tool_call>")]
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +169,10 @@ def test_loop_with_tools(tok):
             assert ("not valid JSON" if i == 3 else "ValueError: cannot evaluate '2 ** 10'") in text
         else:
             assert got == _expected_response(tok, keys[i], turns, observations), tok.decode(got)
-        # response_mask is 1 exactly on the scripted tokens, in order; log-probs are the engine's there.
+        # response_mask is 1 exactly on the scripted tokens up to each turn's tool-call tag, in order;
+        # log-probs are the engine's there.
         model = b["response_mask"][i, :length].bool()
-        sampled = [tok.encode(t, add_special_tokens=False) for t in turns]
+        sampled = [tok.encode(_cut(t), add_special_tokens=False) for t in turns]
         assert b["responses"][i, :length][model].tolist() == sum(sampled, [])
         want_lp = torch.cat([-0.001 * torch.arange(1, len(s) + 1) - t for t, s in enumerate(sampled)])
         torch.testing.assert_close(b["rollout_log_probs"][i, :length][model], want_lp.float(), rtol=0, atol=1e-6)
@@ -170,7 +185,12 @@ def test_loop_with_tools(tok):
     pos = b["position_ids"]
     assert torch.equal(pos[:, -R:], pos[:, -R - 1:-R] + torch.arange(1, R + 1))
     assert [rows for rows, _ in agent.inner.calls] == [6, 4, 1]
-    m = out.meta_info["metrics"]
+    tag = tok.encode("</tool_call>", add_special_tokens=False)
+    assert agent.inner.stop_sequences == [[tag]] * 3  # the engine was asked to stop after the tag
+    from tinyzero.agent.metrics import agent_metrics
+
+    assert "metrics" not in out.meta_info  # the driver computes agent/* from the rows (every rank's)
+    m = agent_metrics(out.non_tensor_batch)
     assert m["agent/turns/max"] == 3 and m["agent/tool_calls/total"] == 5 and m["agent/tool_errors/total"] == 2
     assert m["agent/stop_reason/eos"] == pytest.approx(4 / 6) and m["agent/stop_reason/budget"] == pytest.approx(1 / 6)
     assert m["agent/observation_tokens/mean"] > 0 and m["agent/tool_timeouts/total"] == 0
@@ -194,7 +214,7 @@ def test_stop_on_tool_error_and_budget(tok):
     assert list(out.non_tensor_batch["stop_reason"]) == ["tool_error"] * 2 + ["eos"] * 2
     assert torch.equal(out.batch["responses"][0], out.batch["responses"][1])  # rows of one prompt adjacent
     # A budget that ends inside the observation: the observation is not appended, the sample ends.
-    first = len(tok.encode(SCRIPTS["case-tool"][0], add_special_tokens=False))
+    first = len(tok.encode(_cut(SCRIPTS["case-tool"][0]), add_special_tokens=False))
     agent = _agent(tok, response_length=first + 5, tools=["calculator"])
     out = agent.generate_sequences(_prompts(tok, ["case-tool"]))
     agent.shutdown()
@@ -288,3 +308,14 @@ def test_native_engine_log_probs_match_actor(tiny_model_dir, tmp_path, tok):
         log_probs, _ = actor.compute_log_prob(out, 4, False, 4096, float(out.meta_info.get("temperature", 1.0)))
         torch.testing.assert_close(log_probs[mask], b["rollout_log_probs"][mask], rtol=0, atol=1e-4)
     assert not b["rollout_log_probs"][~mask].any()
+
+
+def test_turn_goes_on_past_the_call_without_stop_at_tool_call(tok):
+    agent = _agent(tok, tools=["calculator"], stop_at_tool_call=False)
+    out = agent.generate_sequences(_prompts(tok, ["case-tool"]))
+    agent.shutdown()
+    assert agent.inner.stop_sequences == [None, None]  # no stop sequence asked of the engine
+    sampled = sum((tok.encode(t, add_special_tokens=False) for t in SCRIPTS["case-tool"]), [])
+    b = out.batch
+    assert b["responses"][0][b["response_mask"][0].bool()].tolist() == sampled  # <|im_end|> after the call too
+    assert list(out.non_tensor_batch["num_tool_calls"]) == [1]

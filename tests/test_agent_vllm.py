@@ -79,3 +79,65 @@ def test_vllm_drives_the_same_loop(tmp_path_factory):
         assert native[key] == vllm[key], key
     assert native["stop_reason"] == vllm["stop_reason"]
     assert res["lp_max_abs_diff"] < 1e-3, res["lp_max_abs_diff"]
+
+
+def _stop_worker(model_dir: str):
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from tests.test_agent_stop import run_tool_agent, tool_agent_config, tool_batch
+    from tinyzero.rollout import build_rollout
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    keys = ("responses", "response_mask", "attention_mask", "rollout_log_probs")
+    native = run_tool_agent(model_dir, "native")
+    agent = build_rollout(tool_agent_config("vllm"), model_dir, tok, device="cpu", load_weights=True)
+    agent.wake_up()
+    vllm = agent.generate_sequences(tool_batch(tok))
+    results = {"native": {k: native.batch[k].tolist() for k in keys},
+               "vllm": {k: vllm.batch[k].tolist() for k in keys},
+               "reasons": [list(native.non_tensor_batch["stop_reason"]), list(vllm.non_tensor_batch["stop_reason"])]}
+    # The engine alone: the tag as a stop sequence ends the greedy response right after it; sampled rows
+    # with stop sequences are the free rows cut after the first occurrence (same seeds).
+    engine = agent.inner
+    tag = tok.encode("</tool_call>", add_special_tokens=False)
+    results["tag"] = engine.generate_sequences(tool_batch(tok, stop_sequences=[tag])).batch["responses"][0].tolist()
+    sampled = dict(do_sample=True, seed=3, eos_token_id=[], response_length=40)
+    free = engine.generate_sequences(tool_batch(tok, ("case-a", "case-bb"), n=2, **sampled)).batch
+    rows = free["responses"].tolist()
+    sequences = [rows[0][8:11], rows[3][20:22]]
+    stopped = engine.generate_sequences(tool_batch(tok, ("case-a", "case-bb"), n=2, stop_sequences=sequences,
+                                                   **sampled)).batch
+    results["free"] = {k: free[k].tolist() for k in keys}
+    results["stopped"] = {k: stopped[k].tolist() for k in keys}
+    results["sequences"] = sequences
+    agent.shutdown()
+    return results
+
+
+def test_vllm_turn_ends_at_tool_call(tmp_path_factory):
+    """The trained tool-call model: vLLM's loop stops each turn at </tool_call> as the native one does."""
+    from tests.test_agent_stop import CALL, _reference_cut, build_tool_call_model
+
+    model_dir = build_tool_call_model(str(tmp_path_factory.mktemp("agent_vllm_stop") / "model"))
+    (res,) = run_distributed(_stop_worker, 1, model_dir, timeout=900)
+    for key in ("responses", "response_mask", "attention_mask"):
+        assert res["native"][key] == res["vllm"][key], key
+    assert res["reasons"] == [["eos"], ["eos"]]
+    m = torch.tensor(res["vllm"]["response_mask"]).bool()
+    lp_native, lp_vllm = torch.tensor(res["native"]["rollout_log_probs"]), torch.tensor(res["vllm"]["rollout_log_probs"])
+    assert float((lp_native[m] - lp_vllm[m]).abs().max()) < 1e-3
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    call = tok.encode(CALL, add_special_tokens=False)
+    assert res["tag"][:len(call)] == call and set(res["tag"][len(call):]) == {tok.pad_token_id}
+    R = 40
+    for b, row in enumerate(res["free"]["responses"]):
+        k = _reference_cut(row, set(), res["sequences"], R)
+        assert res["stopped"]["response_mask"][b] == [1] * k + [0] * (R - k), b
+        assert res["stopped"]["responses"][b][:k] == row[:k]
+        torch.testing.assert_close(torch.tensor(res["stopped"]["rollout_log_probs"][b][:k]),
+                                   torch.tensor(res["free"]["rollout_log_probs"][b][:k]), rtol=0, atol=1e-6)

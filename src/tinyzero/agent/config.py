@@ -33,6 +33,11 @@ class MultiTurnConfig:
     """A tool result or error longer than this many characters is truncated (with a marker)."""
     max_tool_calls_per_turn: int = 4
     """Tool calls run per assistant turn; more are answered with a tool error."""
+    stop_at_tool_call: bool = True
+    """True: with tools, a turn ends right after the model writes a tool call's closing tag
+    (`</tool_call>`, kept in the response; the engine gets it as a stop sequence), the tool runs and the
+    next turn sees its result, so one call per turn. False: turns end at a stop token only (the model
+    may write several calls in one turn, and whatever it writes after them)."""
     stop_on_tool_error: bool = False
     """True: a sample ends at its first failed tool call (stop_reason tool_error) instead of seeing
     the error as its observation and going on."""

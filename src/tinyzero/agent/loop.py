@@ -3,11 +3,19 @@
     engine = AgentRollout(inner_engine, rollout_config, tokenizer)   # built by build_rollout when
     out = engine.generate_sequences(prompts)                          # rollout.multi_turn.enable
 
-Per sample, independently within the batch: generate until a stop token; parse the tool calls
-(or hand the turn to the environment); run the tools in the worker pool; append the observation as
-the chat template's tokens; continue, up to multi_turn.max_turns assistant turns and
+Per sample, independently within the batch: generate until a stop token or, with tools and
+multi_turn.stop_at_tool_call, the end of a tool call (`</tool_call>`, kept in the response); parse
+the tool calls (or hand the turn to the environment); run the tools in the worker pool; append the
+observation as the chat template's tokens; continue, up to multi_turn.max_turns assistant turns and
 rollout.response_length response tokens in all. Every generate call of the inner engine takes the
 samples still active, whatever turn each is in, so the engine batches across turns.
+
+Ending a turn at the tool call: the inner engine gets the tag's token ids as a stop sequence
+(meta_info["stop_sequences"]; one id, e.g. Qwen2.5's `</tool_call>` token, is a stop token), so it
+stops right after sampling them. A model may spell the tag in other tokens (a merge with the text
+around it); the loop then keeps the turn's tokens up to the one that completes the tag in the
+decoded text and drops the rest, unused: the kept tokens are exactly what was sampled, and the
+engine's sampling of them did not depend on what came after.
 
 The output has the keys every engine returns (rollout/outputs.py). `responses` holds the sampled
 ids and the observation ids in order, exactly as sampled (never decoded and re-encoded);
@@ -16,8 +24,9 @@ is 1 only on the model's tokens, so observations get no loss, KL or entropy; `ro
 are the inner engine's, 0 on observations. Non-tensor per sample: `stop_reason` (eos: the model
 answered without a tool call or the environment said done; max_turns; budget: the token budget ran
 out, or the next observation did not fit; tool_error: with multi_turn.stop_on_tool_error), `num_turns`,
-`num_tool_calls` (calls answered, errors included), and `env_reward` with an environment.
-meta_info["metrics"] has agent/* metrics of this rank's share.
+`num_tool_calls` (calls answered, errors included), `num_tool_errors`, `num_tool_timeouts`,
+`num_observation_tokens`, and `env_reward` with an environment. agent/* metrics are computed from
+those fields (metrics.agent_metrics) by the driver, on the batch gathered from every rank.
 """
 
 from __future__ import annotations
@@ -29,14 +38,12 @@ import torch
 
 from tinyzero.agent.chat import ObservationRenderer
 from tinyzero.agent.environment import load_environment
-from tinyzero.agent.parser import ToolCallError, parse_tool_calls
+from tinyzero.agent.parser import CLOSE, ToolCallError, parse_tool_calls
 from tinyzero.agent.pool import ToolPool, ToolResult
 from tinyzero.agent.tools import load_tool, tool_timeout
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.engine import resolve_sampling_params
 from tinyzero.rollout.outputs import build_output, check_prompt_batch, repeat_prompts
-
-STOP_REASONS = ("eos", "max_turns", "budget", "tool_error")
 
 
 @dataclass
@@ -56,6 +63,7 @@ class _Sample:
     env: object = None
     env_reward: float = 0.0
     stop: str | None = None
+    at_call: bool = False  # the latest turn ended with a tool call's closing tag
     pending: list = field(default_factory=list)  # this turn's observation messages / tool calls
 
 
@@ -73,6 +81,9 @@ class AgentRollout:
             tool = load_tool(spec)
             self.tools[tool.name] = tool
         self.env_factory = load_environment(self.mt.environment) if self.mt.environment else None
+        # The closing tag as a stop sequence (token ids as the tokenizer spells the tag alone).
+        self.call_stop = (tokenizer.encode(CLOSE, add_special_tokens=False)
+                          if self.tools and self.mt.stop_at_tool_call else [])
         self._pool: ToolPool | None = None
         self.num_calls = 0
 
@@ -161,6 +172,8 @@ class AgentRollout:
             mask[r, width - len(ctx):] = 1
             pos[r, width - len(ctx):] = torch.tensor(s.prompt_pos + list(range(last + 1, last + 1 + len(s.ids))))
         meta = {**meta_info, "n": 1, "response_length": length}
+        if self.call_stop:
+            meta["stop_sequences"] = [*meta_info.get("stop_sequences", []), self.call_stop]
         if "seed" in meta_info:  # a per-step seed: each turn draws its own noise
             meta["seed"] = (int(meta_info["seed"]) * 1_000_003 + turn * 7_919) % 2**62
         out = self.inner.generate_sequences(DataProto.from_dict(
@@ -169,18 +182,35 @@ class AgentRollout:
         for r, s in enumerate(active):
             room = budget - len(s.ids)
             toks = out.batch["responses"][r][valid[r]][:room].tolist()
+            end = self._call_end(toks) if self.call_stop else None
+            s.at_call = end is not None
+            toks = toks[:end]
             s.ids += toks
             s.model += [1] * len(toks)
-            s.log_probs += out.batch["rollout_log_probs"][r][valid[r]][:room].tolist()
+            s.log_probs += out.batch["rollout_log_probs"][r][valid[r]][:len(toks)].tolist()
             s.turns += 1
             s.pending = [toks[-1] if toks else None]  # the turn's last token, then what it asks for
         return {k: v for k, v in out.meta_info.items() if k != "metrics"}
+
+    def _call_end(self, toks: list[int]) -> int | None:
+        """How many of a turn's tokens reach the end of its first tool call's closing tag, as decoded text
+        (the tag may span tokens in any way); None when the turn has no closing tag."""
+        if CLOSE not in self.tokenizer.decode(toks):
+            return None
+        lo, hi = 1, len(toks)  # the shortest prefix whose text holds the tag (longer prefixes all do)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if CLOSE in self.tokenizer.decode(toks[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _after_turn(self, s: _Sample, stops: set) -> None:
         """Decide whether the sample ends after this turn; queue what it asks for otherwise."""
         last = s.pending[0]
         turn_ids = s.ids[len(s.ids) - _turn_length(s):]
-        if last not in stops:
+        if last not in stops and not s.at_call:
             s.stop = "budget"
             return
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
@@ -263,13 +293,15 @@ class AgentRollout:
             model[i, :k] = torch.tensor(s.model, dtype=torch.long)
             log_probs[i, :k] = torch.tensor(s.log_probs, dtype=torch.float32)
         extra = {"stop_reason": [s.stop for s in samples], "num_turns": [s.turns for s in samples],
-                 "num_tool_calls": [s.tool_calls for s in samples]}
+                 "num_tool_calls": [s.tool_calls for s in samples],
+                 "num_tool_errors": [s.tool_errors for s in samples],
+                 "num_tool_timeouts": [s.tool_timeouts for s in samples],
+                 "num_observation_tokens": [s.observation_tokens for s in samples]}
         if self.env_factory is not None:
             extra["env_reward"] = [s.env_reward for s in samples]
         out = build_output(pids, pmask, ppos, responses, attention, log_probs, meta_info=meta,
                            non_tensors={**non_tensors, **extra})
         out.batch["response_mask"] = model
-        out.meta_info["metrics"] = agent_metrics(samples)
         return out
 
 
@@ -279,23 +311,6 @@ def _turn_length(s: _Sample) -> int:
     while k > 0 and s.model[k - 1] == 1:
         k -= 1
     return len(s.model) - k
-
-
-def agent_metrics(samples: list[_Sample]) -> dict[str, float]:
-    """agent/* metrics over these samples."""
-    n = max(len(samples), 1)
-    turns = [s.turns for s in samples] or [0]
-    metrics = {
-        "agent/turns/mean": sum(turns) / n, "agent/turns/max": float(max(turns)),
-        "agent/tool_calls/mean": sum(s.tool_calls for s in samples) / n,
-        "agent/tool_calls/total": float(sum(s.tool_calls for s in samples)),
-        "agent/tool_errors/total": float(sum(s.tool_errors for s in samples)),
-        "agent/tool_timeouts/total": float(sum(s.tool_timeouts for s in samples)),
-        "agent/observation_tokens/mean": sum(s.observation_tokens for s in samples) / n,
-    }
-    for reason in STOP_REASONS:
-        metrics[f"agent/stop_reason/{reason}"] = sum(s.stop == reason for s in samples) / n
-    return metrics
 
 
 def wrap_engine(engine, config, tokenizer=None, model_path: str = "", trust_remote_code: bool = False) -> AgentRollout:

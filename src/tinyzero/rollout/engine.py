@@ -62,6 +62,7 @@ SAMPLING_META_KEYS = {
     "pad_token_id": "required: the id responses are right-padded with",
     "eos_token_id": "stop id or list of ids (the worker sets the generation config's list)",
     "stop_token_ids": "more stop ids",
+    "stop_sequences": "token-id sequences that also end a response, kept in it (e.g. a tool call's closing tag)",
     "validate": "True: sampling from rollout.val_kwargs instead of the rollout config",
     "n": "responses per prompt", "temperature": "sampling temperature", "top_p": "nucleus mass",
     "top_k": "top-k, -1 disables", "do_sample": "False: greedy",
@@ -100,6 +101,10 @@ class SamplingParams:
     """Most new tokens per response."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation stops after any of these (kept in the response)."""
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    """Generation also stops right after any of these token-id sequences, all of it sampled within the
+    response (kept in the response). One-token sequences belong in stop_token_ids (resolve_sampling_params
+    moves them there)."""
     pad_token_id: int = 0
     """Right padding of responses."""
     seed: int = 0
@@ -109,6 +114,9 @@ class SamplingParams:
         check_sampling("sampling.", self.temperature, self.top_p, self.top_k, self.n)
         if self.response_length < 1:
             raise ValueError(f"response_length={self.response_length} must be >= 1")
+        bad = [seq for seq in self.stop_sequences if not seq or not all(isinstance(t, int) for t in seq)]
+        if bad:
+            raise ValueError(f"stop_sequences={bad[:2]}: every stop sequence must be a non-empty list of token ids")
 
     @property
     def greedy(self) -> bool:
@@ -136,11 +144,18 @@ def resolve_sampling_params(config: RolloutConfig, meta_info: dict, seed: int) -
         if meta_info.get(key) is not None:
             base[key] = type(base[key])(meta_info[key])
     stop = _as_id_list(meta_info.get("eos_token_id")) + _as_id_list(meta_info.get("stop_token_ids"))
+    sequences = []
+    for seq in meta_info.get("stop_sequences") or []:
+        seq = _as_id_list(seq)
+        if len(seq) == 1:
+            stop += seq
+        elif seq not in sequences:
+            sequences.append(seq)
     if "pad_token_id" not in meta_info:
         raise ValueError("prompt batch meta_info lacks pad_token_id (the dataloader sets it from the tokenizer)")
     return SamplingParams(response_length=int(meta_info.get("response_length", config.response_length)),
-                          stop_token_ids=sorted(set(stop)), pad_token_id=int(meta_info["pad_token_id"]),
-                          seed=int(seed), **base)
+                          stop_token_ids=sorted(set(stop)), stop_sequences=sequences,
+                          pad_token_id=int(meta_info["pad_token_id"]), seed=int(seed), **base)
 
 
 def call_seed(config_seed: int, meta_info: dict, num_calls: int, dp_rank: int) -> int:

@@ -2,8 +2,10 @@
 
 All sequences of a batch advance together over a static cache. The loop only samples and
 stores tokens -- no Python per sequence -- and leaves early once every row holds a stop
-token (checked every `sync_every` steps to bound host syncs); `finish_responses` then cuts
-each row after its first stop token (kept; later slots get the pad id and response_mask 0).
+(checked every `sync_every` steps to bound host syncs); `finish_responses` then cuts each row
+after its first stop (kept; later slots get the pad id and response_mask 0). A stop is a stop
+token or the last token of a stop sequence (params.stop_sequences, e.g. a tool call's closing
+tag spelled in several tokens) sampled whole within the response (`stop_hits`).
 
 Prefix sharing: with group_size g > 1 the B distinct prompts are prefilled once and each is decoded
 as g rows (row i*g + j is sample j of prompt i, the rows `repeat_interleave(g)` gives); the
@@ -62,7 +64,9 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     if hasattr(decoder, "begin"):
         decoder.begin(key_valid, step_pos)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    check_stop = stop_ids.numel() > 0
+    sequences = params.stop_sequences
+    check_stop = stop_ids.numel() > 0 or bool(sequences)
+    overlap = max((len(seq) for seq in sequences), default=1) - 1  # a sequence may straddle two checks
     tok_steps: list[torch.Tensor] = []  # (B,) per step, stacked at the end (no per-step copies)
     logp_steps: list[torch.Tensor] = []
     stopped = torch.zeros(B, dtype=torch.bool, device=device)  # rows holding a stop token (checked so far)
@@ -86,7 +90,8 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         if t == R - 1:
             break
         if check_stop and (t + 1) % sync_every == 0:
-            stopped |= torch.isin(torch.stack(tok_steps[checked:], dim=1), stop_ids).any(dim=1)
+            window = torch.stack(tok_steps[max(0, checked - overlap):], dim=1)  # (B, steps since the last check)
+            stopped |= stop_hits(window, stop_ids, sequences).any(dim=1)
             checked = t + 1
             if bool(stopped.all()):
                 steps = t + 1
@@ -96,13 +101,28 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
     tokens[:, :steps] = torch.stack(tok_steps, dim=1)
     log_probs[:, :steps] = torch.stack(logp_steps, dim=1)
-    return finish_responses(tokens, log_probs, stop_ids, steps, params.pad_token_id)
+    return finish_responses(tokens, log_probs, stop_ids, steps, params.pad_token_id, sequences)
+
+
+def stop_hits(tokens: torch.Tensor, stop_ids: torch.Tensor, stop_sequences: list[list[int]] = ()) -> torch.Tensor:
+    """(B, T) bool: True at t where a stop ends -- tokens[:, t] is a stop id, or tokens[:, t-L+1 .. t] equal
+    a stop sequence of length L. tokens: (B, T)."""
+    hits = torch.isin(tokens, stop_ids.to(tokens.device)) if stop_ids.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+    for seq in stop_sequences:
+        L = len(seq)
+        if L > tokens.shape[1]:
+            continue
+        windows = tokens.unfold(1, L, 1)  # (B, T-L+1, L): windows[:, i] = tokens[:, i .. i+L-1]
+        hits[:, L - 1:] |= (windows == torch.tensor(seq, dtype=tokens.dtype, device=tokens.device)).all(dim=-1)
+    return hits
 
 
 def finish_responses(tokens: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Tensor,
-                     lengths: int | torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep each row up to and including its first stop token (within its first `lengths` tokens: one
-    count for every row, or a (B,) tensor of per-row counts); pad / zero the rest. tokens, log_probs: (B, R).
+                     lengths: int | torch.Tensor, pad_token_id: int,
+                     stop_sequences: list[list[int]] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep each row up to and including its first stop (a stop token or the end of a stop sequence, see
+    `stop_hits`; within its first `lengths` tokens: one count for every row, or a (B,) tensor of per-row
+    counts); pad / zero the rest. tokens, log_probs: (B, R).
     Returns responses (B, R), response_mask (B, R) int64 and log_probs (B, R)."""
     R = tokens.shape[1]
     positions = torch.arange(R, device=tokens.device)
@@ -110,9 +130,9 @@ def finish_responses(tokens: torch.Tensor, log_probs: torch.Tensor, stop_ids: to
         in_range = positions[None, :] < lengths.to(tokens.device)[:, None]  # (B, R)
     else:
         in_range = (positions < lengths).expand(tokens.shape)  # (B, R)
-    if stop_ids.numel():
-        hits = torch.isin(tokens, stop_ids.to(tokens.device)).long()  # (B, R)
-        stops_before = hits.cumsum(dim=1) - hits  # stop tokens strictly before t
+    if stop_ids.numel() or stop_sequences:
+        hits = stop_hits(tokens, stop_ids, stop_sequences).long()  # (B, R)
+        stops_before = hits.cumsum(dim=1) - hits  # stops ending strictly before t
         mask = (stops_before == 0) & in_range
     else:
         mask = in_range

@@ -46,8 +46,10 @@ def raw_prompt_token_ids(prompts: DataProto) -> list[list[int]]:
 
 
 def pad_responses(token_lists: list[list[int]], logprob_lists: list[list[float]], length: int,
-                  pad_token_id: int, stop_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad ragged responses to `length`; cut each after its first stop token (finish_responses).
+                  pad_token_id: int, stop_token_ids: list[int],
+                  stop_sequences: list[list[int]] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad ragged responses to `length`; cut each after its first stop token or stop sequence
+    (finish_responses).
     Returns responses (rows, length) int64, response_mask (rows, length) int64, log_probs (rows, length) fp32."""
     rows = len(token_lists)
     tokens = torch.full((rows, length), pad_token_id, dtype=torch.long)
@@ -62,7 +64,7 @@ def pad_responses(token_lists: list[list[int]], logprob_lists: list[list[float]]
         if lps:
             log_probs[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
     stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long)
-    responses, mask, log_probs = finish_responses(tokens, log_probs, stop_ids, lengths, pad_token_id)
+    responses, mask, log_probs = finish_responses(tokens, log_probs, stop_ids, lengths, pad_token_id, stop_sequences)
     short = (mask.sum(dim=1) > num_log_probs).nonzero()
     if short.numel():
         i = int(short[0])

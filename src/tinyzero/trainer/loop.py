@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 
+from tinyzero.agent.metrics import agent_metrics
 from tinyzero.progress import report_progress
 from tinyzero.protocol import DataProto
 from tinyzero.trainer.checkpoint import (
@@ -36,8 +37,10 @@ class NonFiniteError(RuntimeError):
 
 
 def pop_metrics(out: DataProto) -> dict[str, float]:
-    """Take a worker output's meta_info["metrics"] out (so it does not collide in union) and reduce it."""
-    return merge_worker_metrics([out.meta_info.pop("metrics", {})])
+    """Take a worker output's meta_info["metrics"] out (so it does not collide in union) and reduce it.
+    A multi-turn rollout's agent/* metrics come from its rows' counters, over every rank's rows (meta_info
+    is the first rank's only)."""
+    return {**merge_worker_metrics([out.meta_info.pop("metrics", {})]), **agent_metrics(out.non_tensor_batch)}
 
 
 def draw_curves(run_dir: str, tracker) -> None:

@@ -1,0 +1,36 @@
+"""agent/* metrics of a multi-turn rollout, over every row of the batch they are given.
+
+The agent loop (loop.py) records per-sample counters as non-tensor fields of its output (AGENT_FIELDS).
+Those rows travel with the batch, so the driver computes the metrics on the batch gathered from every
+data-parallel rank (trainer.loop.pop_metrics) and they describe the whole step, not one rank's share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STOP_REASONS = ("eos", "max_turns", "budget", "tool_error")
+AGENT_FIELDS = ("stop_reason", "num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts",
+                "num_observation_tokens")
+
+
+def agent_metrics(non_tensor_batch: dict) -> dict[str, float]:
+    """agent/* metrics over every row of a rollout's non_tensor_batch; {} when it lacks the agent fields
+    (not a multi-turn rollout)."""
+    if any(key not in non_tensor_batch for key in AGENT_FIELDS):
+        return {}
+    count = {key: np.asarray(non_tensor_batch[key], dtype=np.float64) for key in AGENT_FIELDS[1:]}
+    reasons = [str(r) for r in non_tensor_batch["stop_reason"]]
+    rows = max(len(reasons), 1)
+    turns = count["num_turns"]
+    metrics = {
+        "agent/turns/mean": float(turns.sum()) / rows, "agent/turns/max": float(turns.max(initial=0.0)),
+        "agent/tool_calls/mean": float(count["num_tool_calls"].sum()) / rows,
+        "agent/tool_calls/total": float(count["num_tool_calls"].sum()),
+        "agent/tool_errors/total": float(count["num_tool_errors"].sum()),
+        "agent/tool_timeouts/total": float(count["num_tool_timeouts"].sum()),
+        "agent/observation_tokens/mean": float(count["num_observation_tokens"].sum()) / rows,
+    }
+    for reason in STOP_REASONS:
+        metrics[f"agent/stop_reason/{reason}"] = sum(r == reason for r in reasons) / rows
+    return metrics
