@@ -9,8 +9,11 @@ This module is the only place that reads those variables.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
+import sys
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,6 +31,7 @@ __all__ = [
     "backend_for_device",
     "barrier",
     "cleanup",
+    "on_cleanup",
     "collective_timeout_s",
     "resolve_collective_timeout_s",
     "set_seed",
@@ -166,13 +170,42 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+_cleanup_hooks: list[Callable[[], None]] = []
+
+
+def on_cleanup(hook: Callable[[], None]) -> Callable[[], None]:
+    """Have cleanup() call `hook` (once per registration, newest first) before it destroys the groups:
+    stop a thread that uses the store or a group, drop a cache that holds groups or store clients."""
+    if hook not in _cleanup_hooks:
+        _cleanup_hooks.append(hook)
+    return hook
+
+
 def cleanup() -> None:
-    """Destroy the default process group if one exists (safe to call twice)."""
+    """Tear torch.distributed down so that no thread of it outlives this call (safe to call twice).
+
+    The on_cleanup hooks run first (threads that call the store stop; caches drop the groups they
+    hold), then every process group is destroyed and garbage is collected, so each gloo group's
+    worker and transport threads are joined here, while the interpreter is alive. Left to
+    interpreter exit, a group held by a module cache or a reference cycle is torn down during
+    finalization, and a thread that is inside a torch call with the GIL released when finalization
+    starts (a daemon thread in a store call, a group freed by a garbage collection that ran on
+    another thread) cannot take the GIL back: CPython ends the thread with pthread_exit, whose
+    unwinding through a noexcept C++ frame aborts the process ("terminate called without an active
+    exception", SIGABRT) after the work is done.
+    """
+    for hook in reversed(_cleanup_hooks):
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001 - teardown must not mask the original error
+            print(f"[tinyzero] rank {get_rank()}: teardown step {getattr(hook, '__qualname__', hook)} failed: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
     if is_distributed():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown must not mask the original error
             pass
+    gc.collect()  # groups still referenced from cycles (workers, meshes) are freed, and their threads joined, now
 
 
 def set_seed(seed: int, rank_offset: bool = False) -> None:

@@ -318,15 +318,32 @@ def start_watchdog(hang_timeout_s: float) -> None:
     atexit.register(stop_watchdog)
 
 
+STOP_TIMEOUT_S = 10.0
+"""How long stop_watchdog() waits for the thread to finish its current heartbeat (a few store calls)."""
+
+
 def stop_watchdog() -> None:
-    """Stop the watchdog and tell the other ranks this one is done (safe to call twice)."""
+    """Stop the watchdog, tell the other ranks this one is done, and close its store connection (safe to
+    call twice). Call it before the process group is destroyed (train.py's teardown does).
+
+    The thread is joined, not abandoned: a daemon thread still inside a store call (which releases the
+    GIL) when the interpreter finalizes cannot take the GIL back, and CPython's pthread_exit of that
+    thread aborts the whole process ("terminate called without an active exception") after a run that
+    succeeded. Its connection is closed here, by this thread, once no call can be in flight on it.
+    """
     global _watchdog
     wd, _watchdog = _watchdog, None
     if wd is None:
         return
     wd.stop.set()
-    wd.thread.join(timeout=5)
+    wd.thread.join(timeout=STOP_TIMEOUT_S)
+    if wd.thread.is_alive():  # a store call that does not return: the store's own timeout ends it
+        print(f"[tinyzero] rank {wd.rank}: the hang watchdog did not stop within {STOP_TIMEOUT_S:g} s (a store "
+              "call is not returning); waiting for it so that it cannot outlive the interpreter",
+              file=sys.stderr, flush=True)
+        wd.thread.join()
     try:
         wd.publish(wd.status(done=True))
     except Exception:  # noqa: BLE001 - the store may already be gone at exit
         pass
+    wd.store = None  # the last reference to its own TCPStore client: the connection closes now

@@ -21,9 +21,12 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from tinyzero.distributed import on_cleanup
+
 __all__ = ["open_bridge", "bridge_group", "send_params", "receive_params", "checksum"]
 
 _BRIDGES: dict[tuple[int, ...], object] = {}
+on_cleanup(_BRIDGES.clear)  # the groups are freed (their threads joined) by cleanup()
 
 
 def open_bridge(ranks: list[int]) -> None:

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from tinyzero.distributed import on_cleanup
+
 __all__ = ["RemoteWorkerError", "SPMDDivergenceError", "abort_rank", "collective_timeout_s", "control_store",
            "record_abort", "read_abort", "guard", "start_watchdog"]
 
@@ -67,6 +69,14 @@ class _State:
 
 
 _state = _State()
+
+
+@on_cleanup
+def _release() -> None:
+    """Before the groups are destroyed: stop the watchdog (no store call in flight at exit) and drop the
+    cached store client and default group."""
+    _stop_watchdog()
+    _state.store = _state.store_owner = None
 
 
 def collective_timeout_s() -> float:

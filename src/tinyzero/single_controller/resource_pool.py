@@ -15,12 +15,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tinyzero.distributed import on_cleanup
 from tinyzero.single_controller.failure import collective_timeout_s, start_watchdog
 from tinyzero.single_controller.spmd import check_same_call, next_call_seq, spmd_check_enabled
 
 __all__ = ["ResourcePool", "ResourcePoolManager", "ensure_distributed"]
 
 _GROUP_CACHE: dict[tuple, tuple] = {}
+on_cleanup(_GROUP_CACHE.clear)  # the groups are freed (their threads joined) by cleanup()
 
 
 def ensure_distributed() -> None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from tinyzero.distributed import on_cleanup
 from tinyzero.single_controller.failure import collective_timeout_s
 from tinyzero.single_controller.resource_pool import ResourcePool
 
@@ -118,6 +119,7 @@ class Worker:
 
 
 _AXIS_GROUPS: dict[tuple, tuple] = {}
+on_cleanup(_AXIS_GROUPS.clear)  # the groups are freed (their threads joined) by cleanup()
 
 
 def _axis_group(ranks: list[int], pool: ResourcePool):
