@@ -19,7 +19,8 @@ What is measured, per rank:
   including allocator slack; null where the reset is not permitted.
 The cap: sp=1 "exceeds" it when its live peak is above `--cap_mib`, sp=2 "fits" when below.
 Measured on a loaded 2-core CPU (deterministic bytes): 1024 tokens 15.6 vs 8.7 MiB, 4096 tokens
-60.4 vs 32.6 MiB (ratio 0.54; linear in the length, as CPU SDPA keeps no S x S scores here).
+60.4 vs 32.6 MiB, 8192 tokens 120.2 vs 64.6 MiB (ratio 0.54; linear in the length, as CPU SDPA
+keeps no S x S scores here). bench/train_scaling.py reports the same measurement (`sp_peak_memory`).
 The last line printed is one JSON object.
 """
 
