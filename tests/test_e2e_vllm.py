@@ -86,6 +86,26 @@ def test_grpo_with_vllm_rollout(tmp_path):
         "val/test_score/arithmetic"]
 
 
+def test_vllm_sync_from_a_tensor_parallel_actor(tmp_path):
+    """The actor at tp=2 (DTensor shards over both ranks) streams full tensors into each rank's vLLM
+    engine: the engine's sampling log-probs then equal the trainer's after every update."""
+    from tinyzero.demo import build_data
+    from tinyzero.models.tiny import build_tiny_model
+
+    # head_dim 32 (vLLM's CPU attention has no 16), 2 kv heads: tp=2 splits them
+    build_tiny_model(str(tmp_path / "model"), seed=0, num_heads=2, num_kv_heads=2)
+    build_data(str(tmp_path / "data"))
+    _run(tmp_path, "tp", "vllm", "--trainer.total_training_steps=2", "--trainer.test_freq=-1",
+         "--trainer.val_before_train=false", "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32",
+         "--actor_rollout_ref.actor.tensor_model_parallel_size=2", "--actor_rollout_ref.actor.entropy_coeff=0.01")
+    rows = [r for r in read_metrics(str(tmp_path / "tp")) if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["training/rollout_log_probs_diff_mean"] < LOG_PROB_TOL, r
+        assert r["training/rollout_probs_diff_max"] < LOG_PROB_TOL, r
+    assert rows[0]["actor/grad_norm"] > 0  # step 2 sampled from weights synced after an update
+
+
 def _engine_keeps_rng(model_dir: str) -> tuple[list[float], list[float]]:
     import random
 
