@@ -200,12 +200,29 @@ def cleanup() -> None:
         except Exception as e:  # noqa: BLE001 - teardown must not mask the original error
             print(f"[tinyzero] rank {get_rank()}: teardown step {getattr(hook, '__qualname__', hook)} failed: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    _drop_dtensor_caches()
     if is_distributed():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown must not mask the original error
             pass
     gc.collect()  # groups still referenced from cycles (workers, meshes) are freed, and their threads joined, now
+
+
+def _drop_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (checked on torch 2.13): a C++ thread-local map and a
+    Python LRU keep every DTensorSpec they saw, so its DeviceMesh and the mesh's process group, alive
+    until the interpreter clears the torch module at exit (FSDP2's world group outlives cleanup())."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    from torch.distributed.tensor import DTensor
+
+    python_cache = getattr(getattr(DTensor._op_dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+    if hasattr(python_cache, "cache_clear"):
+        python_cache.cache_clear()
 
 
 def set_seed(seed: int, rank_offset: bool = False) -> None:
