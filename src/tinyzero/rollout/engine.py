@@ -183,7 +183,8 @@ EngineBuilder = Callable[..., RolloutEngine]
 @dataclass(frozen=True)
 class EngineSpec:
     """A registered engine: `build(config, model_path, hf_config, device, dp_rank, load_weights,
-    trust_remote_code)` returns it; `unavailable()` gives why it cannot run here (None if it can)."""
+    trust_remote_code[, lora_rank=N when model.lora_rank > 0])` returns it; `unavailable()` gives why it
+    cannot run here (None if it can)."""
 
     name: str
     build: EngineBuilder
@@ -215,7 +216,7 @@ def _vllm_unavailable() -> str | None:
 
 
 @register_engine("native")
-def _build_native(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code):
+def _build_native(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, lora_rank=0):
     from tinyzero.rollout.native import NativeRollout
 
     return NativeRollout(config, hf_config, device, model_path=model_path if load_weights else None,
@@ -223,15 +224,15 @@ def _build_native(config, model_path, hf_config, device, dp_rank, load_weights, 
 
 
 @register_engine("vllm", unavailable=_vllm_unavailable)
-def _build_vllm(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code):
+def _build_vllm(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, lora_rank=0):
     from tinyzero.rollout.vllm_rollout import VLLMRollout
 
     return VLLMRollout(config, model_path, hf_config, device, dp_rank=dp_rank, load_dummy=not load_weights,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, lora_rank=lora_rank)
 
 
 @register_engine("remote")
-def _build_remote(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code):
+def _build_remote(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, lora_rank=0):
     from tinyzero.rollout.remote import RemoteRollout
 
     return RemoteRollout(config, dp_rank=dp_rank)
@@ -252,7 +253,7 @@ def resolve_auto(notice: Callable[[str], None] | None = print) -> str:
 
 def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_config=None,
                   device: torch.device | str | None = None, dp_rank: int = 0, load_weights: bool = False,
-                  trust_remote_code: bool = False) -> RolloutEngine:
+                  trust_remote_code: bool = False, lora_rank: int = 0) -> RolloutEngine:
     """Build the engine named by config.name on `device` (a registry lookup).
 
     model_path: the HF folder (vLLM reads its config; the native engine reads weights from it only
@@ -261,6 +262,7 @@ def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_con
     the samplers of different DP ranks. load_weights: start from the checkpoint's weights instead of
     waiting for update_weights. tokenizer: engines work on ids; the multi-turn agent loop
 (rollout.multi_turn.enable) renders observations with it (read from model_path when None).
+    lora_rank: model.lora_rank; > 0 builds vLLM with its LoRA layers (adapter-only syncs).
     """
     name = resolve_auto() if config.name == "auto" else config.name
     spec = ENGINES.get(name)
@@ -273,7 +275,8 @@ def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_con
                                                local_files_only=True)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    engine = spec.build(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code)
+    lora = {"lora_rank": lora_rank} if lora_rank else {}  # builders that know no LoRA keep working without it
+    engine = spec.build(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, **lora)
     if config.multi_turn.enable:  # the agent loop (tinyzero.agent) wraps whichever engine was built
         from tinyzero.agent.loop import wrap_engine
 

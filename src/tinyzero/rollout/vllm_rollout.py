@@ -130,4 +130,7 @@ class VLLMRollout:
         ids, mask, pos = repeat_prompts(prompts, params.n)
         # The temperature the log-probs were taken at (greedy: none, they are at T = 1), for compute_log_prob.
         meta = {} if params.greedy else {"temperature": params.temperature}
+        if self.lora_request is not None:  # the adapter version served and the bytes its sync moved
+            meta["metrics"] = {"rollout/lora_version": self.lora_request.lora_int_id,
+                               "rollout/lora_sync_bytes": self.adapter_nbytes}
         return build_output(ids.cpu(), mask.cpu(), pos.cpu(), responses, response_mask, log_probs, meta_info=meta)

@@ -176,7 +176,7 @@ class ActorRolloutRefWorker(Worker):
         # Without an actor in this process the engine starts from the checkpoint's weights.
         return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
                              device=self.device, dp_rank=dims.dp_rank(self.rank), load_weights=self.actor is None,
-                             trust_remote_code=cfg.model.trust_remote_code)
+                             trust_remote_code=cfg.model.trust_remote_code, lora_rank=cfg.model.lora_rank)
 
     # ------------------------------------------------------------------ rollout
     def _sync_weights(self) -> None:
