@@ -461,9 +461,10 @@ def test_bf16_base_keeps_fp32_adapters(tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_grpo_steps_with_vllm_lora_rollout(tmp_path):
-    """Two GRPO steps through train.py on 2 ranks, vLLM serving the LoRA policy with adapter-only syncs: the
-    engine's sampling log-probs equal the trainer's recomputation (the adapter vLLM runs is the trained one),
-    also at step 2, after the adapters moved."""
+    """Two GRPO steps through train.py on 2 ranks, vLLM (tensor-parallel over both, so each rank's LoRA layers
+    take their slice of the full adapters) serving the LoRA policy with adapter-only syncs: the engine's
+    sampling log-probs equal the trainer's recomputation (the adapter vLLM runs is the trained one), also at
+    step 2, after the adapters moved."""
     from tests.test_e2e_vllm import LOG_PROB_TOL, _run
     from tinyzero.demo import build_data
     from tinyzero.trainer.loggers import read_metrics
@@ -473,7 +474,8 @@ def test_grpo_steps_with_vllm_lora_rollout(tmp_path):
     out = _run(tmp_path, "lora", "vllm", "--trainer.total_training_steps=2", "--trainer.test_freq=-1",
                "--trainer.val_before_train=false", "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32",
                f"--actor_rollout_ref.model.lora_rank={RANK}", f"--actor_rollout_ref.model.lora_alpha={ALPHA}",
-               "--actor_rollout_ref.actor.optim.lr=0.05", "--actor_rollout_ref.actor.entropy_coeff=0.01")
+               "--actor_rollout_ref.actor.optim.lr=0.05", "--actor_rollout_ref.actor.entropy_coeff=0.01",
+               "--actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     rows = [r for r in read_metrics(str(tmp_path / "lora")) if r.get("step", 0) >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

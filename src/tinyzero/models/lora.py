@@ -341,8 +341,10 @@ def layer_scaling(model: nn.Module) -> float:
 def model_adapter_config(model: nn.Module, base_model_path: str = "") -> dict:
     """PEFT's adapter_config of a LoRA model, read from its layers (rank, scaling, targets)."""
     layers = lora_layers(model)
-    rank = next(iter(layers.values())).lora_A.weight.shape[0]
-    spec = LoraSpec(int(rank), layer_scaling(model) * rank, tuple(sorted({n.rsplit(".", 1)[-1] for n in layers})))
+    rank = int(next(iter(layers.values())).lora_A.weight.shape[0])
+    alpha = layer_scaling(model) * rank
+    alpha = float(round(alpha)) if abs(alpha - round(alpha)) < 1e-9 else alpha  # 16 / 3 * 3 -> 16, not 16.000000000000004
+    spec = LoraSpec(rank, alpha, tuple(sorted({n.rsplit(".", 1)[-1] for n in layers})))
     return adapter_config(spec, list(layers), base_model_path)
 
 
