@@ -87,8 +87,8 @@ def test_grpo_with_vllm_rollout(tmp_path):
 
 
 def test_vllm_sync_from_a_tensor_parallel_actor(tmp_path):
-    """The actor at tp=2 (DTensor shards over both ranks) streams full tensors into each rank's vLLM
-    engine: the engine's sampling log-probs then equal the trainer's after every update."""
+    """The actor at tp=2 (DTensor shards over both ranks) streams full tensors into vLLM at tp=2 (each
+    engine keeps its own shard): the engine's sampling log-probs then equal the trainer's after every update."""
     from tinyzero.demo import build_data
     from tinyzero.models.tiny import build_tiny_model
 
@@ -97,7 +97,9 @@ def test_vllm_sync_from_a_tensor_parallel_actor(tmp_path):
     build_data(str(tmp_path / "data"))
     _run(tmp_path, "tp", "vllm", "--trainer.total_training_steps=2", "--trainer.test_freq=-1",
          "--trainer.val_before_train=false", "--actor_rollout_ref.rollout.cpu_kv_cache_mb=32",
-         "--actor_rollout_ref.actor.tensor_model_parallel_size=2", "--actor_rollout_ref.actor.entropy_coeff=0.01")
+         "--actor_rollout_ref.actor.tensor_model_parallel_size=2",
+         "--actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+         "--actor_rollout_ref.actor.entropy_coeff=0.01")
     rows = [r for r in read_metrics(str(tmp_path / "tp")) if r.get("step", 0) >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
