@@ -77,6 +77,16 @@ class TrainerConfig:
     seq_mean_k1). A response whose geometric-mean ratio exp(mean_t(log pi_old - log pi_rollout))
     leaves [1/threshold, threshold] is masked out of the update; the trainer's old log-probs are then
     computed in their own pass. 0 = off; e.g. 2.0. Logged as training/rollout_rs_masked_frac."""
+    partial_rollout: bool = False
+    """Asynchronous pipeline (max_staleness > 0): partial rollouts. A generation running while the
+    trainer pool updates decodes in segments of partial_rollout_chunk tokens and takes the new weights
+    at the first segment boundary after they are sent, continuing the unfinished rows under them
+    (tinyzero.rollout.partial). Each token records the version that sampled it
+    (rollout_token_versions) and keeps the rollout log-prob of that version. Off: a generation runs
+    on the weights it started with."""
+    partial_rollout_chunk: int = 64
+    """Partial rollouts: new tokens per decoding segment (each later segment re-prefills prompt +
+    response so far); smaller takes new weights sooner at the cost of more prefills."""
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts learning (GAE only)."""
     balance_batch: bool = True
@@ -142,6 +152,9 @@ class TrainerConfig:
         for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
+        if self.partial_rollout_chunk < 1:
+            raise ConfigError(f"trainer.partial_rollout_chunk must be >= 1 (got {self.partial_rollout_chunk}); "
+                              "e.g. 64 new tokens per decoding segment")
         for name in ("total_epochs",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1 (got {getattr(self, name)})")
@@ -255,6 +268,10 @@ def check_lora(cfg: Config) -> None:
 def check_async(cfg: Config) -> None:
     """The asynchronous pipeline (trainer.max_staleness / rollout_pool_size; see trainer.async_pipeline)."""
     t, arr = cfg.trainer, cfg.actor_rollout_ref
+    if t.partial_rollout and not t.max_staleness:
+        raise ConfigError("trainer.partial_rollout=true continues generations across weight updates, which "
+                          "happen during generation only with trainer.max_staleness >= 1; set max_staleness=1 "
+                          "or partial_rollout=false")
     if not (t.max_staleness or t.rollout_pool_size):
         if t.rollout_rs_threshold:
             raise ConfigError(f"trainer.rollout_rs_threshold={t.rollout_rs_threshold} applies to the asynchronous "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tinyzero.distributed import on_cleanup
 
-__all__ = ["open_bridge", "bridge_group", "send_params", "receive_params", "checksum"]
+__all__ = ["open_bridge", "bridge_group", "send_params", "receive_params", "checksum", "announce", "BridgeSource"]
 
 _BRIDGES: dict[tuple[int, ...], object] = {}
 on_cleanup(_BRIDGES.clear)  # the groups are freed (their threads joined) by cleanup()
@@ -102,3 +102,40 @@ def receive_params(group, src: int, device: torch.device) -> Iterator[tuple[str,
         for (name, shape, dtype), nbytes in zip(header[0], sizes):
             yield name, flat[offset:offset + nbytes].view(dtype).reshape(shape)
             offset += nbytes + _padding(nbytes)
+
+
+# ---------------------------------------------------------------------------------------------- partial rollouts
+def _ready_key(ranks: list[int], version: int) -> str:
+    return f"weight_bridge/{'-'.join(map(str, ranks))}/ready/{version}"
+
+
+def announce(ranks: list[int], version: int) -> None:
+    """The sending rank, right before send_params: weights `version` are on their way over the bridge
+    (a flag in the job's store that a rollout rank reads between decoding segments without blocking)."""
+    from tinyzero.single_controller.failure import control_store
+
+    store = control_store()
+    if store is None:
+        raise RuntimeError("weight_bridge.announce: the job's store is unreachable; partial rollouts need it")
+    store.set(_ready_key(ranks, version), "1")
+    if version > 0:  # every rollout rank took version - 1 before this one could be sent
+        try:
+            store.delete_key(_ready_key(ranks, version - 1))
+        except Exception:  # noqa: BLE001 - cleanup only
+            pass
+
+
+class BridgeSource:
+    """The WeightSource (rollout/partial.py) of a rollout rank: announced versions, received over the bridge."""
+
+    def __init__(self, ranks: list[int], device: torch.device):
+        self.ranks, self.device = [int(r) for r in ranks], device
+
+    def arrived(self, version: int) -> bool:
+        from tinyzero.single_controller.failure import control_store
+
+        store = control_store()
+        return store is not None and store.check([_ready_key(self.ranks, version)])
+
+    def receive(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        return receive_params(bridge_group(self.ranks), self.ranks[0], self.device)

@@ -28,6 +28,13 @@ generating and loading weights / step time), async/trainer_idle_frac (the traine
 generations / step time), async/weight_version, async/weight_checksum/{trainer,rollout} (float64
 sums of the weights sent and of the engine's copy).
 
+Partial rollouts (trainer.partial_rollout): the generation issued in step 3 decodes in segments
+(rollout/partial.py), and the trainer pool sends version k right after its update (push_weights,
+before any result crosses pools) instead of in step 4. The rollout ranks take it at their next
+segment boundary and continue the unfinished rows under it (or take it when their generation ends).
+Every token records its version (batch key rollout_token_versions); a sample's weight_version and
+staleness are its oldest token's; async/partial_rollout/mixed_frac counts samples with two versions.
+
 Checkpoints: the queue is drained at every planned save (no generation is issued past the next
 save step), so a resumed run continues exactly as the uninterrupted one. A save at an unplanned
 step (a signal) rewinds the data cursor to the oldest in-flight batch instead; the resumed run
@@ -42,12 +49,13 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from tinyzero.algorithms.rollout_correction import seq_mis_keep
 from tinyzero.parallel import LayoutError
 from tinyzero.protocol import DataProto
-from tinyzero.rollout.weight_bridge import open_bridge
+from tinyzero.rollout.weight_bridge import BridgeSource, announce, open_bridge
 from tinyzero.single_controller import (
     ClassWithInitArgs,
     ResourcePool,
@@ -117,12 +125,29 @@ def build_async_roles(cfg, world_size: int):
         if name in wgs:
             wgs[name].init_model()
     rollout.init_model()
+    if cfg.trainer.partial_rollout and rollout.is_local:
+        from tinyzero.rollout.partial import PartialRollout
+
+        worker = rollout.worker
+        worker.rollout = PartialRollout(worker.rollout, cfg.trainer.partial_rollout_chunk,
+                                        BridgeSource(bridge, worker.device))
     flush_pending()  # deliver the init results now: nothing may be left crossing pools before the first sync
     arr = cfg.actor_rollout_ref
     roles = Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
                   actor_rollout_dp_size=arr.actor.parallel_dims(len(trainer_ranks)).dp_size,
                   rollout_dp_size=rollout_dims(arr.rollout, len(rollout_ranks)).dp_size)
     return roles, rollout, bridge
+
+
+def sample_versions(token_versions: torch.Tensor, default: int) -> tuple[np.ndarray, float]:
+    """(Each row's oldest token version (`default` for a row without tokens), the fraction of rows whose
+    tokens carry more than one version). token_versions: (rows, R) int, -1 on padding."""
+    valid = token_versions >= 0                                                         # (rows, R)
+    oldest = torch.where(valid, token_versions, torch.iinfo(torch.int64).max).min(dim=1).values  # (rows,)
+    newest = token_versions.max(dim=1).values                                           # (rows,)
+    has = valid.any(dim=1)
+    versions = torch.where(has, oldest, default).numpy().astype(np.int64)
+    return versions, float((has & (newest != oldest)).float().mean())
 
 
 class AsyncPPOTrainer(PPOTrainer):
@@ -133,13 +158,15 @@ class AsyncPPOTrainer(PPOTrainer):
         self.rollout_wg = rollout
         self.bridge_ranks = bridge_ranks
         self.max_staleness = self.config.trainer.max_staleness
+        self.partial = self.config.trainer.partial_rollout
         self.queue: deque[Flight] = deque()
         self.next_index = 1         # the step the next drawn batch is for
         self.policy_version = 0     # actor updates applied
         self.rollout_version = None  # actor updates in the engine's weights (None: not synced yet)
         self.checksums = {"trainer": 0.0, "rollout": 0.0}
         self._clock = dict.fromkeys(("gen", "wait_gen", "receive"), 0.0)  # this step's seconds per pipeline phase
-        self._staleness = 0
+        self._staleness = np.zeros(1, dtype=np.int64)  # per row of this step's batch
+        self._mixed_frac = 0.0  # rows whose tokens carry two weight versions (partial rollouts)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -185,7 +212,9 @@ class AsyncPPOTrainer(PPOTrainer):
         """Issue the actor update (the trainer pool computes it now), then the next generations (the
         rollout pool computes them now): the two overlap until either result is read."""
         out = super().update_actor(batch, timing)
-        self.fill_queue(timing)
+        incoming = self.policy_version + 1 if self.partial and out is not None else None
+        if self.fill_queue(timing, incoming) and incoming is not None:
+            self.push_weights(incoming, timing)
         return out
 
     # ------------------------------------------------------------------ the queue
@@ -195,12 +224,17 @@ class AsyncPPOTrainer(PPOTrainer):
         last = self.total_steps
         return min(last, -(-step // freq) * freq) if freq > 0 else last
 
-    def fill_queue(self, timing: dict) -> None:
+    def fill_queue(self, timing: dict, incoming: int | None = None) -> int:
+        """Top the queue up to max_staleness generations; returns how many were issued."""
+        issued = 0
         while len(self.queue) < self.max_staleness and self.next_index <= self._boundary():
-            self.submit(timing)
+            self.submit(timing, incoming)
+            issued += 1
+        return issued
 
-    def submit(self, timing: dict) -> None:
-        """Draw the prompts of step next_index and issue their generation on the rollout pool."""
+    def submit(self, timing: dict, incoming: int | None = None) -> None:
+        """Draw the prompts of step next_index and issue their generation on the rollout pool. With
+        partial rollouts, `incoming` is the weight version the trainer pool sends while it runs."""
         index, step = self.next_index, self.global_step
         cursor = copy.deepcopy(self.train_loader.state_dict())
         self.global_step = index  # the batch's uids and sampling seed are its step's, as in the synchronous loop
@@ -208,6 +242,10 @@ class AsyncPPOTrainer(PPOTrainer):
             prompts = self.next_batch()
             gen_batch = prompts.pop(batch_keys=list(GEN_KEYS), non_tensor_batch_keys=list(GEN_NON_TENSOR_KEYS))
             gen_batch.meta_info.update(self._gen_meta(do_sample=self.config.actor_rollout_ref.rollout.do_sample))
+            if self.partial:
+                gen_batch.meta_info["rollout_weight_version"] = self.rollout_version
+                if incoming is not None:
+                    gen_batch.meta_info["partial_rollout_version"] = incoming
         finally:
             self.global_step = step
         start = time.perf_counter()
@@ -231,11 +269,31 @@ class AsyncPPOTrainer(PPOTrainer):
         gen_metrics.pop("timing_s/weight_sync", None)  # the rollout pool holds no actor: weights come by broadcast
         metrics.update(gen_metrics)
         batch = flight.prompts.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
-        batch.non_tensor_batch["weight_version"] = np.full(len(batch), flight.version, dtype=np.int64)
-        self._staleness = staleness
+        versions = np.full(len(batch), flight.version, dtype=np.int64)
+        if "rollout_token_versions" in batch.batch:  # partial rollouts: a sample is as old as its oldest token
+            versions, self._mixed_frac = sample_versions(batch.batch["rollout_token_versions"], flight.version)
+        batch.non_tensor_batch["weight_version"] = versions
+        self._staleness = self.policy_version - versions
         return batch
 
     # ------------------------------------------------------------------ weights
+    def push_weights(self, version: int, timing: dict) -> None:
+        """Partial rollouts: right after the actor update, while the generation just issued runs, send
+        weights `version` to the rollout pool. The rollout ranks take them at their next segment boundary
+        (rollout/partial.py), or here once their generation is done. Direct worker calls, not group
+        calls: a group call would first deliver the update's result, which waits for the rollout pool."""
+        actor, rollout = self.roles.actor_rollout, self.rollout_wg
+        with timer("weight_sync", timing):
+            if actor.is_local:
+                if dist.get_rank() == self.bridge_ranks[0]:
+                    announce(self.bridge_ranks, version)
+                self.checksums["trainer"] = float(actor.worker.send_weights(self.bridge_ranks))
+            if rollout.is_local:
+                start = time.perf_counter()
+                self.checksums["rollout"] = float(rollout.worker.rollout.take_weights(version))
+                self._clock["receive"] += time.perf_counter() - start
+        self.rollout_version = version
+
     def ensure_synced(self) -> None:
         if self.rollout_version is None:
             self.sync_weights({})
@@ -260,19 +318,21 @@ class AsyncPPOTrainer(PPOTrainer):
     def gather_clocks(self, step_s: float) -> dict[str, dict]:
         """This step's pipeline clocks of the trainer pool's and the rollout pool's first ranks."""
         clocks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(clocks, {**self._clock, "step": step_s})
+        dist.all_gather_object(clocks, {**self._clock, "step": step_s, "checksums": dict(self.checksums)})
         return {"trainer": clocks[0], "rollout": clocks[self.bridge_ranks[1]]}
 
     def pipeline_metrics(self, clocks: dict[str, dict]) -> dict[str, float]:
         """Staleness (of the step's samples), queue depth, idle fractions, weight version and checksums."""
-        staleness = np.full(1, self._staleness)  # one batch: every row has the same version
+        trainer, rollout = clocks["trainer"], clocks["rollout"]
+        staleness = self._staleness  # per row: updates since its oldest token's weights
         out = {"async/staleness/mean": float(staleness.mean()), "async/staleness/max": float(staleness.max()),
                "async/queue_depth": float(len(self.queue)), "async/weight_version": float(self.rollout_version),
-               "async/weight_checksum/trainer": self.checksums["trainer"],
-               "async/weight_checksum/rollout": self.checksums["rollout"]}
+               "async/weight_checksum/trainer": trainer["checksums"]["trainer"],
+               "async/weight_checksum/rollout": rollout["checksums"]["rollout"]}
+        if self.partial:
+            out["async/partial_rollout/mixed_frac"] = self._mixed_frac
         for s in range(self.max_staleness + 1):
             out[f"async/staleness/frac_{s}"] = float((staleness == s).mean())
-        trainer, rollout = clocks["trainer"], clocks["rollout"]
         out["async/trainer_idle_frac"] = trainer["wait_gen"] / max(trainer["step"], 1e-9)
         out["async/rollout_idle_frac"] = 1.0 - (rollout["gen"] + rollout["receive"]) / max(rollout["step"], 1e-9)
         return out
