@@ -308,6 +308,7 @@ def _vllm_lora_worker(model_dir: str):
 
     from tests.test_rollout_vllm import _prompts as text_prompts
     from tinyzero.models.lora import LoraSpec, apply_lora, sync_adapters
+    from tinyzero.protocol import DataProto
     from tinyzero.rollout import RolloutConfig, build_rollout
 
     dist.init_process_group("gloo")
@@ -339,6 +340,9 @@ def _vllm_lora_worker(model_dir: str):
             engine.wake_up(["kv_cache"])
             step[name] = engine.generate_sequences(batch).batch["responses"].tolist()
             engine.sleep()
+        # The step-by-step path (multi-token stop sequences, here one that never occurs) runs the adapter too.
+        stepped = DataProto(batch=batch.batch, meta_info={**batch.meta_info, "stop_sequences": [[10**6, 10**6 + 1]]})
+        step["vllm_stepped"] = engines["vllm"].generate_sequences(stepped).batch["responses"].tolist()
         step["vllm_loras"] = sorted(engines["vllm"].llm.llm_engine.list_loras())
         step["full_weights_sent"], step["adapter_nbytes"] = list(sent), engines["vllm"].adapter_nbytes
         sent.clear()
@@ -355,7 +359,7 @@ def test_vllm_and_native_engines_serve_the_lora_policy(tmp_path):
     model_dir = _vllm_tiny_model(str(tmp_path))
     (steps,) = run_distributed(_vllm_lora_worker, 1, model_dir, timeout=600)
     for step in steps:
-        for name in ("vllm", "native"):
+        for name in ("vllm", "native", "vllm_stepped"):
             for got, want in zip(step[name], step["hf"]):
                 assert got[:len(want)] == want, (name, step)
     assert steps[0]["hf"] != steps[1]["hf"]  # the second adapter version changed the policy
