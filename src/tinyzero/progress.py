@@ -292,9 +292,14 @@ def _own_store():
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
+    from datetime import timedelta
+
     base = dist.distributed_c10d._get_default_store()
     try:
         base = base.clone()  # its own socket: a main thread blocked in a store wait holds the shared one
+        # Every call of the watchdog is a short set / check / get; one that does not return within this
+        # bound (the store's host is gone) fails, so stop_watchdog()'s join is bounded too.
+        base.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - older stores cannot clone; sharing only delays heartbeats
         pass
     return dist.PrefixStore(_KEY_PREFIX, base)
@@ -318,6 +323,8 @@ def start_watchdog(hang_timeout_s: float) -> None:
     atexit.register(stop_watchdog)
 
 
+STORE_TIMEOUT_S = 30.0
+"""Timeout of each call on the watchdog's own store connection."""
 STOP_TIMEOUT_S = 10.0
 """How long stop_watchdog() waits for the thread to finish its current heartbeat (a few store calls)."""
 
@@ -337,7 +344,7 @@ def stop_watchdog() -> None:
         return
     wd.stop.set()
     wd.thread.join(timeout=STOP_TIMEOUT_S)
-    if wd.thread.is_alive():  # a store call that does not return: the store's own timeout ends it
+    if wd.thread.is_alive():  # a store call that does not return: its connection's timeout (STORE_TIMEOUT_S) ends it
         print(f"[tinyzero] rank {wd.rank}: the hang watchdog did not stop within {STOP_TIMEOUT_S:g} s (a store "
               "call is not returning); waiting for it so that it cannot outlive the interpreter",
               file=sys.stderr, flush=True)
