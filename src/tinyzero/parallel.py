@@ -170,7 +170,3 @@ class ParallelDims:
             return pool_group
         return make(*self.data_layout())["dp"].get_group()
 
-    def describe(self) -> str:
-        parts = [f"{n}={s}" for n, s in zip(*reversed(self.mesh_layout()))] + [f"sp={self.sp}"] * (self.sp > 1)
-        return f"{self.section}: " + " x ".join(parts) + f" over {self.world} ranks (dp_size {self.dp_size})"
-
