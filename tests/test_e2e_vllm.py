@@ -100,12 +100,19 @@ def test_vllm_sync_from_a_tensor_parallel_actor(tmp_path):
          "--actor_rollout_ref.actor.tensor_model_parallel_size=2",
          "--actor_rollout_ref.rollout.tensor_model_parallel_size=2",
          "--actor_rollout_ref.actor.entropy_coeff=0.01")
-    rows = [r for r in read_metrics(str(tmp_path / "tp")) if r.get("step", 0) >= 1]
-    assert [r["step"] for r in rows] == [1, 2]
+    synced_training_rows(tmp_path / "tp")
+
+
+def synced_training_rows(run_dir, steps: int = 2) -> list[dict]:
+    """The training rows of a run whose engine sampled with the trainer's weights at every step: rollout and
+    trainer log-probs within LOG_PROB_TOL, and the actor moved at step 1 (so step 2 sampled synced weights)."""
+    rows = [r for r in read_metrics(str(run_dir)) if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert r["training/rollout_log_probs_diff_mean"] < LOG_PROB_TOL, r
         assert r["training/rollout_probs_diff_max"] < LOG_PROB_TOL, r
-    assert rows[0]["actor/grad_norm"] > 0  # step 2 sampled from weights synced after an update
+    assert rows[0]["actor/grad_norm"] > 0
+    return rows
 
 
 def _engine_keeps_rng(model_dir: str) -> tuple[list[float], list[float]]:
