@@ -16,6 +16,9 @@ with the same model folder and the same work per optimizer step:
   update    GRPO advantages (group mean / std), token-mean loss, clip 0.2, no KL, one AdamW step per
             batch (lr 1e-5 constant, wd 0, betas 0.9 / 0.999), grad clip 1, fp32, no activation
             checkpointing; 2 processes x 1 thread.
+  precision fp32 by default; --precision bf16 runs both sides in bf16 mixed precision (fp32 master
+            weights and optimizer; TRL's bf16=True through bench/trl_bf16.py, ours FSDP2
+            param_dtype=bf16 and a bf16 rollout engine).
 Runs are interleaved (TRL, ours, TRL, ours, ...). Before each, the bench waits (bounded by
 --idle-wait-s) until the machine's busy CPU share is below --idle-busy, and it records the foreign
 CPU share during the run (busy CPU time not spent by the run's own processes, over wall x CPUs).
@@ -148,8 +151,11 @@ def run_measured(cmd: list[str], env: dict, log_path: str, timeout_s: float) -> 
 # ---------------------------------------------------------------------------------------------- the two sides
 def run_trl(args, model: str, work: str, tag: str) -> dict:
     out_json = os.path.join(work, f"trl_{tag}.json")
+    harness = [os.path.abspath(args.trl_harness)]
+    if args.precision == "bf16":  # the same harness under TRL's bf16 mixed precision
+        harness = [os.path.join(ROOT, "bench", "trl_bf16.py"), *harness]
     cmd = [args.trl_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(args.trl_harness), "--threads", "1", "--beta", "0.0", "--model", model,
+           *harness, "--threads", "1", "--beta", "0.0", "--model", model,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
            "--output-dir", os.path.join(work, f"trl_out_{tag}"), "--json-out", out_json]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
@@ -189,6 +195,8 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
         "--trainer.plot=false", "--trainer.log_samples=0", f"--trainer.default_local_dir={run_dir}",
         f"--actor_rollout_ref.model.use_remove_padding={str(args.packing != 'none').lower()}",
         f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}",
+        # fp32 master weights either way; bf16: FSDP2 computes in bf16 and the engine samples in bf16
+        f"{a}.fsdp_config.mixed_precision.param_dtype={args.precision}", f"{r}.dtype={args.precision}",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train.py"), *flags]
@@ -238,6 +246,10 @@ def main() -> None:
     p.add_argument("--packing", choices=("none", "remove_padding", "shared_prefix"), default="shared_prefix",
                    help="our side's training-pass packing (actor_rollout_ref.model.use_remove_padding / "
                         "use_shared_prefix); TRL has no equivalent")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 (the reference workload) or bf16 mixed precision on both sides: TRL's bf16=True "
+                        "(autocast, bench/trl_bf16.py), ours FSDP2 param_dtype=bf16 and a bf16 rollout engine; "
+                        "fp32 master weights and optimizer on both")
     p.add_argument("--idle-busy", type=float, default=0.1, help="busy CPU share below which the machine is idle")
     p.add_argument("--idle-wait-s", type=float, default=600.0, help="longest wait for an idle machine per run")
     p.add_argument("--run-timeout-s", type=float, default=3600.0)
@@ -266,6 +278,7 @@ def main() -> None:
     result = {
         "model": args.model, "model_path": model, "rounds": args.rounds, "steps": args.steps,
         "warmup": args.warmup, "packing": args.packing,
+        "precision": args.precision,
         "shape": "8 prompts x 4 samples, <= 64 new tokens, 2 procs x 1 thread",
         "step_time_ratio": _median_ratio(ours, trl, "sec_per_step"),
         "tokens_per_s_ratio": _median_ratio(ours, trl, "tokens_per_s"),
