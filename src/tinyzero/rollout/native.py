@@ -97,13 +97,51 @@ class NativeRollout:
 
     @torch.no_grad()
     def update_lora(self, named_tensors, scaling: float) -> int:
-        """Merge LoRA adapter pairs (`<layer>.lora_A.weight`, `.lora_B.weight`) into the inference copy:
-        W = W_base + scaling * B @ A, from base weights kept once (tinyzero.models.lora.AdapterMerger)."""
+        """Take LoRA adapter pairs (`<layer>.lora_A.weight`, `.lora_B.weight`); returns the count.
+        rollout.lora_merge: merge them into the inference copy, W = W_base + scaling * B @ A, from base
+        weights kept once (tinyzero.models.lora.AdapterMerger); else keep them unmerged (`_update_unmerged`)."""
+        if not self.config.lora_merge:
+            return self._update_unmerged(named_tensors, scaling)
         from tinyzero.models.lora import AdapterMerger
 
         if getattr(self, "_lora_merger", None) is None:
             self._lora_merger = AdapterMerger(self.model)
         return self.update_weights(self._lora_merger.merged(named_tensors, scaling))
+
+    def _update_unmerged(self, named_tensors, scaling: float) -> int:
+        """rollout.lora_merge=false: the first sync turns each adapted nn.Linear of the inference copy into a
+        LoraLinear (same base weight, adapters in the engine's dtype) and rebuilds the decoder, which applies
+        them beside the base matmuls; every sync copies the adapters in place."""
+        from tinyzero.models.lora import LORA_PARTS, LoraLinear, LoraSpec
+
+        installed, count = False, 0
+        for name, tensor in named_tensors:
+            if not name.endswith(LORA_PARTS):
+                raise ValueError(f"update_lora: {name!r} is not an adapter weight (<layer>.lora_A.weight / .lora_B.weight)")
+            layer_name, part = name[:-len(".lora_A.weight")], name[-len("A.weight")]
+            try:
+                layer = self.model.get_submodule(layer_name)
+            except AttributeError:
+                layer = None
+            if not isinstance(layer, torch.nn.Linear):
+                raise ValueError(f"update_lora: {layer_name!r} is not a linear layer of the rollout model "
+                                 f"({type(self.model).__name__}); names must be HF names")
+            if not isinstance(layer, LoraLinear):
+                rank = tensor.shape[0] if part == "A" else tensor.shape[1]
+                parent_name, _, child = layer_name.rpartition(".")
+                layer = LoraLinear.from_linear(layer, LoraSpec(rank, scaling * rank), self.dtype, init=False)
+                setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer)
+                installed = True
+            layer.scaling = scaling
+            target = (layer.lora_A if part == "A" else layer.lora_B).weight
+            if target.shape != tensor.shape:
+                raise ValueError(f"update_lora: {name!r} has shape {tuple(tensor.shape)}, the rollout model's "
+                                 f"adapter has {tuple(target.shape)} (the LoRA rank changed?)")
+            target.data.copy_(tensor)  # in place: the decoder's fused adapters view these
+            count += 1
+        if installed:
+            self.decoder = build_decoder(self.model, self.config.native_impl, compile=self.config.native_compile)
+        return count
 
     def sleep(self) -> None:
         """On GPU: free the KV cache and move the weights to host memory. No-op on CPU."""
