@@ -19,6 +19,7 @@ from tinyzero.parallel import ParallelDims
 from tinyzero.rollout.config import RolloutConfig
 
 WARMUP_STYLES = ("constant", "cosine")
+OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 
@@ -95,8 +96,17 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    implementation: str = "auto"
+    """AdamW kernel: "fused" (one kernel over all parameters, on CPU and GPU), "foreach" (a few
+    multi-tensor ops per step; the same numbers as "for-loop" bit for bit), "for-loop" (one parameter at
+    a time, torch's own choice on CPU). "auto": fused when every trainable parameter is on CPU or CUDA,
+    else foreach. On FSDP2's DTensor parameters the loop pays DTensor dispatch for every op of every
+    parameter; fused agrees with it to rounding (fp32 ~4e-7 after one step) and is ~10x faster on CPU."""
 
     def __post_init__(self):
+        if self.implementation not in OPTIM_IMPLEMENTATIONS:
+            raise ValueError(f"optim.implementation={self.implementation!r} is unknown; use one of "
+                             f"{list(OPTIM_IMPLEMENTATIONS)}")
         if self.lr < 0:
             raise ValueError(f"optim.lr must be >= 0 (got {self.lr})")
         if self.warmup_style not in WARMUP_STYLES:

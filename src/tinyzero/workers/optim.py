@@ -66,9 +66,13 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) ->
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (fused/foreach picked by torch for the device)."""
+    """AdamW over the trainable parameters, with the kernel `config.implementation` names."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    impl = config.implementation
+    if impl == "auto":
+        impl = "fused" if all(p.device.type in ("cpu", "cuda") for p in params) else "foreach"
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
     return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                             weight_decay=config.weight_decay)
+                             weight_decay=config.weight_decay, **kernel)
