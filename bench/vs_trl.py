@@ -179,7 +179,7 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
     a, r = "--actor_rollout_ref.actor", "--actor_rollout_ref.rollout"
     flags = [
         "--preset", "demo_cpu", f"--actor_rollout_ref.model.path={model}",
-        f"--data.train_files={data}", f"--data.val_files={data}", "--data.apply_chat_template=true",
+        f"--data.train_files={data}", "--data.val_files", "--data.apply_chat_template=true",  # no validation set: the harness has none
         "--data.train_batch_size=8", "--data.max_prompt_length=128", "--data.max_response_length=64",
         f"{r}.n=4", f"{r}.temperature=1.0", f"{r}.top_p=1.0", f"{r}.top_k=-1", f"{r}.name=native",
         f"{r}.seed={args.seed}", f"{r}.log_prob_micro_batch_size_per_gpu=16",
