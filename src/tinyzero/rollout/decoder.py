@@ -51,124 +51,28 @@ key_valid (B, S) bool marks the slots that hold real tokens (left padding is Fal
 
 from __future__ import annotations
 
-import functools
 import warnings
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tinyzero.rollout.attention import attention_mask, decode_attention, shared_decode_attention
+from tinyzero.rollout.fused_ops import (
+    act_fn,
+    add_lora,
+    apply_rope,
+    fuse_linears,
+    fuse_lora,
+    linear,
+    mm,
+    norm_fn,
+    rms_norm,
+    weight_t,
+)
 from tinyzero.rollout.kv_cache import GroupKVCache, KVCache
 
 FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: (..., D) with cos, signed_sin broadcastable to it, signed_sin = cat(-sin[:D/2], sin[D/2:]).
-
-    Equals HF's x*cos + rotate_half(x)*sin bit for bit: rotate_half(x) = cat(-x2, x1) and the
-    halves swapped, cat(x2, x1) (a roll by D/2, one gather), differ by the sign folded into
-    signed_sin, and negating a factor or the product is exact."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One (sum of out, in) weight (and bias) for linears that share their input; each module's
-    parameters become views into it, so in-place weight updates land in the fused buffer."""
-    weight = torch.cat([m.weight.detach() for m in linears], dim=0)
-    has_bias = [m.bias is not None for m in linears]
-    bias = torch.cat([m.bias.detach() for m in linears], dim=0) if all(has_bias) else None
-    start = 0
-    for m in linears:  # .data keeps the Parameter objects (and anyone's references to them) valid
-        n = m.weight.shape[0]
-        m.weight.data = weight[start:start + n]
-        if bias is not None:
-            m.bias.data = bias[start:start + n]
-        start += n
-    return weight, bias
-
-
-def fuse_lora(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """The unmerged LoRA adapters (models.lora.LoraLinear's lora_A / lora_B) of linears fused by `fuse_linears`:
-    (A^T (in, sum of ranks), block-diagonal B^T (sum of ranks, sum of out), scaling), so the fused output
-    gains x A^T B^T * scaling in two matmuls (`add_lora`). The adapters' weights become views into these
-    (in-place adapter updates land in place); None when no linear carries an adapter."""
-    adapted = [m for m in linears if getattr(m, "lora_A", None) is not None]
-    if not adapted:
-        return None
-    scalings = {m.scaling for m in adapted}
-    assert len(scalings) == 1, "one LoRA scaling per fused projection"
-    a_cat, _ = fuse_linears([m.lora_A for m in adapted])  # (sum of ranks, in)
-    b = a_cat.new_zeros(sum(m.weight.shape[0] for m in linears), a_cat.shape[0])  # zero off the blocks
-    row = col = 0
-    for m in linears:
-        if any(m is a for a in adapted):
-            out, rank = m.lora_B.weight.shape
-            block = b[row:row + out, col:col + rank]
-            block.copy_(m.lora_B.weight.detach())
-            m.lora_B.weight.data = block
-            col += rank
-        row += m.weight.shape[0]
-    return a_cat.t(), b.t(), scalings.pop()
-
-
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora: tuple | None) -> torch.Tensor:
-    """y + x A^T B^T * scaling for `fuse_lora`'s triple (y itself when None); x (..., in), y (..., out)."""
-    if lora is None:
-        return y
-    a_t, b_t, scaling = lora
-    flat = torch.addmm(y.reshape(-1, y.shape[-1]), torch.mm(x.reshape(-1, x.shape[-1]), a_t), b_t, alpha=scaling)
-    return flat.view(y.shape)
-
-
-def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """F.linear on an nn.Linear's weights (skips the module-call overhead on the decode path)."""
-    if type(module) is nn.Linear:
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
-
-
-def _weight_t(module: nn.Module) -> torch.Tensor | None:
-    """The (in, out) view of a bias-free nn.Linear's weight for torch.mm (what F.linear runs on 2-D
-    input, minus its dispatch and transpose per call); None for anything else (called as a module)."""
-    if type(module) is nn.Linear and module.bias is None:
-        return module.weight.t()
-    return None
-
-
-def _mm(x: torch.Tensor, weight_t: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
-    """module(x) for 2-D x: torch.mm on the transposed view when `_weight_t` gave one."""
-    return torch.mm(x, weight_t) if weight_t is not None else _linear(module, x)
-
-
-def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's Llama-family RMSNorm, op for op (so bit-identical), minus the module-call overhead."""
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None:
-        return module(x)
-    if x.dtype == torch.float32 and module.weight.dtype == torch.float32:
-        # One fused op; in fp32 it equals HF's op sequence bit for bit (checked for hidden 64..3584).
-        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return module.weight * h.to(x.dtype)
-
-
-def norm_fn(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`rms_norm(module, .)` for the decode step, resolved once per batch: for an fp32 weight the
-    fused op bound to it (the decode activations share the weights' dtype), else the general path."""
-    eps = getattr(module, "variance_epsilon", None)
-    weight = getattr(module, "weight", None)
-    if eps is not None and weight is not None and weight.dtype == torch.float32:
-        return functools.partial(torch.rms_norm, normalized_shape=(weight.shape[-1],), weight=weight, eps=eps)
-    return functools.partial(rms_norm, module)
-
-
-def act_fn(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP activation as a plain function where it is SiLU (no module call per step)."""
-    return F.silu if type(module).__name__ in ("SiLU", "SiLUActivation") else module
 
 
 def fused_supported(model: nn.Module) -> str | None:
@@ -237,7 +141,7 @@ class FusedDecoder:
                 # Unmerged LoRA (rollout.lora_merge=false): adapters beside the fused projections.
                 "qkv_lora": fuse_lora([a.q_proj, a.k_proj, a.v_proj]), "gate_up_lora": fuse_lora([m.gate_proj, m.up_proj]),
                 "qkv_wt": qkv_w.t(), "gate_up_wt": gate_up_w.t(),
-                "o_wt": _weight_t(a.o_proj), "down_wt": _weight_t(m.down_proj),
+                "o_wt": weight_t(a.o_proj), "down_wt": weight_t(m.down_proj),
                 "qk_norm": (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None,
                 "scale": getattr(a, "scaling", None) or self.head_dim**-0.5,
                 # Modules the decode step calls, looked up once (nn.Module attribute access is slow).
@@ -245,7 +149,7 @@ class FusedDecoder:
                 "act": act_fn(m.act_fn), "o_proj": a.o_proj, "down_proj": m.down_proj,
             })
         self.final_norm = norm_fn(self.norm)
-        self.lm_head_wt = _weight_t(self.lm_head)
+        self.lm_head_wt = weight_t(self.lm_head)
 
     def _fusion_intact(self) -> bool:
         if len(self.fused) != len(self.layers):
@@ -365,7 +269,7 @@ class FusedDecoder:
         scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
         out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return _linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
+        return linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
 
     def _qkv_decode(self, f: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step's projections: x (B, hidden) -> (q and k heads after rope (B, H + KV, D),
@@ -392,7 +296,7 @@ class FusedDecoder:
         k_cache.select(3, slot).copy_(qk[:, H:])  # select+copy_: a symbolic slot is not specialized
         v_cache.select(2, slot).copy_(qkv[:, H + KV:])
         k_t, v_all = k_cache[..., : slot + 1], v_cache[:, :, : slot + 1]
-        return _mm(decode_attention(qk[:, :H], k_t, v_all, bias, f["scale"]), f["o_wt"], f["o_proj"])
+        return mm(decode_attention(qk[:, :H], k_t, v_all, bias, f["scale"]), f["o_wt"], f["o_proj"])
 
     def _attention_decode_shared(self, f: dict, x: torch.Tensor, cos, sin, bias, slots: torch.Tensor,
                                  kv: tuple[torch.Tensor, torch.Tensor], group_kv: tuple[torch.Tensor, torch.Tensor]):
@@ -412,18 +316,18 @@ class FusedDecoder:
         k_prompt, v_prompt = kv
         out = shared_decode_attention(qk[:, :H], k_prompt[..., :P], v_prompt[:, :, :P], k_resp[..., : t + 1],
                                       v_resp[:, :, :, : t + 1], bias, f["scale"])
-        return _mm(out, f["o_wt"], f["o_proj"])
+        return mm(out, f["o_wt"], f["o_proj"])
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         f = self.fused[layer_idx]
         gate, up = add_lora(F.linear(x, f["gate_up_w"]), x, f["gate_up_lora"]).chunk(2, dim=-1)
-        return _linear(mlp.down_proj, mlp.act_fn(gate) * up)
+        return linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
     def _mlp_decode(self, f: dict, x: torch.Tensor) -> torch.Tensor:
         """x (B, hidden): torch.mm on the fused gate/up view; the activation's fresh output takes the
         product in place."""
         gate, up = add_lora(torch.mm(x, f["gate_up_wt"]), x, f["gate_up_lora"]).chunk(2, dim=-1)
-        return _mm(f["act"](gate).mul_(up), f["down_wt"], f["down_proj"])
+        return mm(f["act"](gate).mul_(up), f["down_wt"], f["down_proj"])
 
     def decode_step(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
                     kv: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor | None = None,
@@ -442,7 +346,7 @@ class FusedDecoder:
             else:
                 x.add_(self._attention_decode_shared(f, h, cos, sin, bias, slots, layer_kv, group_kv[i]))
             x.add_(self._mlp_decode(f, f["post_norm"](x)))
-        return _mm(self.final_norm(x), self.lm_head_wt, self.lm_head).float()
+        return mm(self.final_norm(x), self.lm_head_wt, self.lm_head).float()
 
     def _run_decode(self, token, cos, sin, bias, slots: torch.Tensor | None = None) -> torch.Tensor:
         """decode_step, compiled when asked; a compile failure warns once and the step runs eagerly
@@ -500,7 +404,7 @@ class FusedDecoder:
         h = x[:, -1]
         if self.group_size > 1:  # one row per sample: lm_head then runs on the shape it has without sharing
             h = h.repeat_interleave(self.group_size, dim=0)  # (small-M matmuls round differently per M)
-        return _linear(self.lm_head, rms_norm(self.norm, h)).float()
+        return linear(self.lm_head, rms_norm(self.norm, h)).float()
 
 
 class HFDecoder:
