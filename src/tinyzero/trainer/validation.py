@@ -2,7 +2,8 @@
 
 Metrics (veRL names): val/test_score/<data_source> (mean score over responses), and
 val/test_acc/<data_source> where the scorer reports accuracy; with val_kwargs.n > 1 also
-val/test_score/<data_source>/best@<n> and val/test_acc/<data_source>/pass@<n>.
+val/test_score/<data_source>/best@<n> and val/test_acc/<data_source>/pass@<n>. A multi-turn rollout
+adds val/agent/* (the agent/* metrics of training, over every validation response).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from tinyzero.agent.metrics import AGENT_FIELDS, agent_metrics
 from tinyzero.data.loader import collate_to_dataproto
 from tinyzero.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
@@ -44,8 +46,11 @@ def validate(trainer, dataset, reward_fn) -> tuple[dict[str, float], list[dict]]
     scores: dict[str, list[float]] = defaultdict(list)
     accs: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
+    agent_rows: dict[str, list] = defaultdict(list)
     for batch in _val_batches(dataset, trainer.config.data.val_batch_size):
-        _, res = generate_and_score(trainer, batch, reward_fn)
+        scored, res = generate_and_score(trainer, batch, reward_fn)
+        for key in AGENT_FIELDS:
+            agent_rows[key].extend(scored.non_tensor_batch.get(key, []))
         for sample in res.samples:
             ds = str(sample["data_source"])
             scores[ds].append(float(sample["score"]))
@@ -61,4 +66,6 @@ def validate(trainer, dataset, reward_fn) -> tuple[dict[str, float], list[dict]]
         metrics[f"val/test_acc/{ds}"] = float(np.mean(values))
         if n > 1:
             metrics[f"val/test_acc/{ds}/pass@{n}"] = float(np.asarray(values).reshape(-1, n).max(1).mean())
+    if all(agent_rows[key] for key in AGENT_FIELDS):  # a multi-turn rollout
+        metrics.update({f"val/{k}": v for k, v in agent_metrics(agent_rows).items()})
     return metrics, samples
