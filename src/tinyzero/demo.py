@@ -1,6 +1,7 @@
 """The CPU demo: a tiny model learns single-digit addition with GRPO on 2 CPU ranks, in a few minutes.
 
-    python -m tinyzero.demo [--out runs/demo] [--nproc 2] [--steps N] [--seed S]
+    python -m tinyzero.demo [--task add] [--out runs/demo] [--nproc 2] [--steps N] [--seed S]
+    python -m tinyzero.demo --task tools      # multi-turn: a calculator tool (see tinyzero.demo_tools)
 
 Stages (everything offline, written under --out):
   1. build the tiny Qwen2-style model (random weights, byte-level tokenizer) and the task data:
@@ -78,43 +79,60 @@ def summary(run_dir: str) -> tuple[dict, dict]:
 
 
 def print_table(before: dict, after: dict) -> None:
-    keys = sorted(k for k in after if k.startswith("val/test_"))
+    keys = sorted(k for k in after if k.startswith(("val/test_", "val/agent/tool_calls/mean", "val/agent/turns/mean")))
     width = max(len(k) for k in keys)
     print(f"\n{'metric':<{width}}  before (step {before['step']})  after (step {after['step']})")
     for k in keys:
         print(f"{k:<{width}}  {before.get(k, float('nan')):>17.3f}  {after[k]:>16.3f}")
 
 
+def tasks() -> dict[str, tuple]:
+    """--task name -> (build_data, tiny-model arguments, SFT preset, GRPO preset, default --out)."""
+    from tinyzero import demo_tools
+
+    return {"add": (build_data, {}, "demo_cpu_sft", "demo_cpu", "runs/demo"),
+            "tools": (demo_tools.build_data, demo_tools.MODEL, "demo_cpu_tools_sft", "demo_cpu_tools",
+                      "runs/demo_tools")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/demo", help="folder for the model, data and runs")
+    p.add_argument("--task", default="add", choices=("add", "tools"),
+                   help="add: single-digit addition; tools: 2x3-digit products with a calculator tool")
+    p.add_argument("--out", default=None, help="folder for the model, data and runs (default: runs/demo, "
+                   "runs/demo_tools for --task tools)")
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init, the data and the runs")
     args = p.parse_args(argv)
     start = time.monotonic()
-    out = args.out
+    make_data, model_args, sft_preset, grpo_preset, default_out = tasks()[args.task]
+    out = args.out or default_out
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": ""}
 
     from tinyzero.models.tiny import build_tiny_model
 
-    build_tiny_model(os.path.join(out, "tiny_model"), seed=args.seed)
-    build_data(os.path.join(out, "data"), seed=args.seed)
+    build_tiny_model(os.path.join(out, "tiny_model"), seed=args.seed, **model_args)
+    make_data(os.path.join(out, "data"), seed=args.seed)
     seeds = [f"--trainer.seed={args.seed + 1}", f"--data.seed={args.seed + 1}",
              f"--actor_rollout_ref.rollout.seed={args.seed}"]
     common = [f"--data.train_files={out}/data/train.parquet", f"--data.val_files={out}/data/test.parquet",
               "--trainer.resume_mode=disable", *seeds]
-    torchrun(args.nproc, ["sft", "--preset", "demo_cpu_sft", f"--data.train_files={out}/data/sft.parquet",
+    torchrun(args.nproc, ["sft", "--preset", sft_preset, f"--data.train_files={out}/data/sft.parquet",
                           f"--actor_rollout_ref.model.path={out}/tiny_model", f"--trainer.default_local_dir={out}/sft",
                           "--trainer.resume_mode=disable", *seeds], env)
-    grpo = ["--preset", "demo_cpu", *common, f"--actor_rollout_ref.model.path={out}/sft/hf_model",
+    grpo = ["--preset", grpo_preset, *common, f"--actor_rollout_ref.model.path={out}/sft/hf_model",
             f"--trainer.default_local_dir={out}/grpo"]
     if args.steps:
         grpo.append(f"--trainer.total_training_steps={args.steps}")
     torchrun(args.nproc, grpo, env)
     before, after = summary(os.path.join(out, "grpo"))
     print_table(before, after)
+    if args.task == "tools":
+        from tinyzero.demo_tools import validate_without_tools
+
+        validate_without_tools(args.nproc, out, common, env)
     curves = os.path.join(out, "grpo", "curves.png")
     curves = curves if os.path.exists(curves) else "not drawn (pip install matplotlib)"
     print(f"\ncurves: {curves}   metrics: {out}/grpo/metrics.jsonl   samples: {out}/grpo/samples.jsonl")
