@@ -6,7 +6,7 @@
   answer (with the end-of-turn token).
 * End to end (slow): the tiny model, the format-only warm-up and GRPO with the calculator in the agent
   loop; validation (greedy, through the agent loop) accuracy rises by at least 0.3 from the warmed-up
-  policy's, which is near 0; tool calls per validation sample end above 0.5 (val/agent/tool_calls/mean);
+  policy's, which is at chance (about 0.1); tool calls per validation sample end above 0.5 (val/agent/tool_calls/mean);
   and the trained policy with the calculator disabled (one assistant turn) stays below 0.05.
 """
 
@@ -62,7 +62,7 @@ def test_tools_demo_learns_to_use_the_calculator(tmp_path):
     assert main(["--task", "tools", "--out", str(out)]) == 0
     before, after = summary(str(out / "grpo"))
     acc = f"val/test_acc/{DATA_SOURCE}"
-    assert before[acc] <= 0.1, before  # the warm-up taught the format, not the answers
+    assert before[acc] <= 0.2, before  # the warm-up taught the format, not the answers (chance: about 0.1)
     assert after[acc] - before[acc] >= 0.3, (before, after)
     assert after["val/agent/tool_calls/mean"] > 0.5, after
     assert any("agent/tool_calls/mean" in row for row in read_metrics(str(out / "grpo")))  # training steps too
