@@ -3,7 +3,7 @@
 * The warm-up's conversations are token-exact with what the agent loop builds: SFTDataset's ids of a
   conversation equal the prompt's ids, the call's, the observation tokens the loop appends
   (agent.chat.ObservationRenderer) and the answer's, and its loss mask covers exactly the call and the
-  answer (with the end-of-turn token).
+  answer, each with the template's "<|im_end|>\n" (tokens the loop never samples: harmless targets).
 * End to end (slow): the tiny model, the format-only warm-up and GRPO with the calculator in the agent
   loop; validation (greedy, through the agent loop) accuracy rises by at least 0.3 from the warmed-up
   policy's, which is at chance (about 0.1); tool calls per validation sample end above 0.5 (val/agent/tool_calls/mean);

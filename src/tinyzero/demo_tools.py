@@ -20,6 +20,8 @@ number, 0 none; the tool's result is not in a tag, so copying it into the answer
   2. GRPO (`train.py --preset demo_cpu_tools`) with the calculator in the loop: the reward alone has
      to teach the model to copy the tool's result exactly. Validation runs through the agent loop too
      and logs val/agent/* (tool calls per sample, turns, stop reasons) beside val/test_acc/*.
+     With --seed 0 accuracy goes 0.09 -> 0.84 in the preset's 40 steps; the step at which the
+     copying clicks varies with the seed (--seed 1: 0.14 after 40 steps, 0.31 after 60).
   3. The trained policy validated once more with the calculator disabled (multi_turn.enable=false:
      one assistant turn, no tool runs): its accuracy stays near 0, the skill is the tool's use.
 
