@@ -129,11 +129,18 @@ def apply_lora(model: nn.Module, spec: LoraSpec, dtype: torch.dtype = torch.floa
     names = target_layer_names(model, spec.target_modules)
     model.requires_grad_(False)
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        layer = LoraLinear.from_linear(getattr(parent, child), spec, dtype, init)
-        setattr(parent, child, layer)
+        replace_with_lora(model, name, spec, dtype, init)
     return names
+
+
+def replace_with_lora(model: nn.Module, name: str, spec: LoraSpec, dtype: torch.dtype = torch.float32,
+                      init: bool = True) -> LoraLinear:
+    """Swap the nn.Linear at `name` for a LoraLinear over the same base weight; returns the new layer."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    layer = LoraLinear.from_linear(getattr(parent, child), spec, dtype, init)
+    setattr(parent, child, layer)
+    return layer
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:

@@ -112,7 +112,7 @@ class NativeRollout:
         """rollout.lora_merge=false: the first sync turns each adapted nn.Linear of the inference copy into a
         LoraLinear (same base weight, adapters in the engine's dtype) and rebuilds the decoder, which applies
         them beside the base matmuls; every sync copies the adapters in place."""
-        from tinyzero.models.lora import LORA_PARTS, LoraLinear, LoraSpec
+        from tinyzero.models.lora import LORA_PARTS, LoraLinear, LoraSpec, replace_with_lora
 
         installed, count = False, 0
         for name, tensor in named_tensors:
@@ -128,9 +128,8 @@ class NativeRollout:
                                  f"({type(self.model).__name__}); names must be HF names")
             if not isinstance(layer, LoraLinear):
                 rank = tensor.shape[0] if part == "A" else tensor.shape[1]
-                parent_name, _, child = layer_name.rpartition(".")
-                layer = LoraLinear.from_linear(layer, LoraSpec(rank, scaling * rank), self.dtype, init=False)
-                setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer)
+                layer = replace_with_lora(self.model, layer_name, LoraSpec(rank, scaling * rank), self.dtype,
+                                          init=False)
                 installed = True
             layer.scaling = scaling
             target = (layer.lora_A if part == "A" else layer.lora_B).weight
