@@ -197,6 +197,7 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
         f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}",
         # fp32 master weights either way; bf16: FSDP2 computes in bf16 and the engine samples in bf16
         f"{a}.fsdp_config.mixed_precision.param_dtype={args.precision}", f"{r}.dtype={args.precision}",
+        *getattr(args, "ours_flag", []),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train.py"), *flags]
@@ -250,6 +251,9 @@ def main() -> None:
                    help="fp32 (the reference workload) or bf16 mixed precision on both sides: TRL's bf16=True "
                         "(autocast, bench/trl_bf16.py), ours FSDP2 param_dtype=bf16 and a bf16 rollout engine; "
                         "fp32 master weights and optimizer on both")
+    p.add_argument("--ours-flag", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                   help="an extra train.py flag for our side (repeatable), e.g. "
+                        "--ours-flag=--actor_rollout_ref.rollout.sleep_level=2")
     p.add_argument("--idle-busy", type=float, default=0.1, help="busy CPU share below which the machine is idle")
     p.add_argument("--idle-wait-s", type=float, default=600.0, help="longest wait for an idle machine per run")
     p.add_argument("--run-timeout-s", type=float, default=3600.0)

@@ -208,6 +208,32 @@ def test_update_weights_in_place_changes_output():
         engine.update_weights([("model.nope.weight", torch.zeros(1))])
 
 
+@pytest.mark.parametrize("impl", ["fused", "hf"])
+def test_sleep_level_2_discards_the_weights_until_every_one_is_synced(impl):
+    """rollout.sleep_level=2: sleep frees every parameter (tied ones once) and the caches; generation refuses
+    until a sync has written every weight again, then equals HF greedy of the synced model."""
+    old, new = _random_model(seed=0), _random_model(seed=1)
+    batch = _prompt_batch(3, 6, old.config.vocab_size)
+    engine = _engine(old, impl=impl, response_length=12, do_sample=False, sleep_level=2)
+    engine.generate_sequences(batch)
+    engine.sleep()
+    assert all(p.numel() == 0 for p in engine.model.parameters())
+    engine.wake_up(tags=["kv_cache"])  # the weights stay discarded
+    assert all(p.numel() == 0 for p in engine.model.parameters())
+    engine.wake_up(tags=["weights"])
+    assert [p.shape for p in engine.model.parameters()] == [p.shape for p in new.parameters()]
+    state = new.state_dict()
+    engine.update_weights((k, v.clone()) for k, v in state.items() if k != "model.norm.weight")
+    with pytest.raises(RuntimeError, match="'model.norm.weight'"):
+        engine.generate_sequences(batch)
+    engine.update_weights([("model.norm.weight", state["model.norm.weight"])])
+    ref = _hf_greedy(new, batch, 12)
+    assert torch.equal(engine.generate_sequences(batch).batch["responses"][:, : ref.shape[1]], ref)
+    engine.sleep()  # a sync straight after sleep allocates the weights itself
+    engine.update_weights((k, v.clone()) for k, v in old.state_dict().items())
+    assert torch.equal(engine.generate_sequences(batch).batch["responses"][:, : ref.shape[1]], _hf_greedy(old, batch, 12))
+
+
 def test_validate_uses_val_kwargs_and_chunking():
     model = _random_model()
     batch = _prompt_batch(5, 6, model.config.vocab_size, meta={"validate": True})

@@ -72,9 +72,13 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """vLLM: most sequences in flight at once; native: largest batch decoded at once."""
     free_cache_engine: bool = True
-    """vLLM on GPU: sleep after generation to free the KV cache (and weights) for training."""
+    """Sleep after generation to free the KV cache (and weights, per sleep_level) for training: vLLM on GPU;
+    the native engine at sleep_level 2 on any device, at level 1 on GPU."""
     sleep_level: int = 1
-    """vLLM sleep level: 1 offloads weights to host memory, 2 discards them (they are re-synced)."""
+    """1 offloads the engine's weights to host memory (GPU), 2 discards them and the trainer re-sends them all
+    before the next generation. Level 2 also frees the native engine's copy on CPU, lowering the peak
+    memory of the training phases by one model in the rollout dtype, for a full (not incremental) sync
+    each step; it needs the actor in the engine's processes (not a split rollout pool)."""
     weight_sync_bucket_mb: int = 512
     """Weights are gathered from the FSDP2 shards and pushed to the engine in buckets of this size."""
     log_prob_micro_batch_size_per_gpu: int = 8

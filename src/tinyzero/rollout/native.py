@@ -74,11 +74,15 @@ class NativeRollout:
         self.num_calls = 0
         self.memory: dict[str, float] = {}
         self._targets = dict(self.model.state_dict(keep_vars=True))
+        self._discarded: list[tuple[torch.nn.Parameter, torch.Size]] = []  # level-2 sleep: (param, shape)
+        self._unset: dict[int, str] | None = None  # after a level-2 sleep: parameters not written since
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
     def update_weights(self, named_tensors) -> int:
         """Copy (hf_name, full tensor) pairs into the inference copy, in place; returns the count."""
+        if self._discarded:  # a level-2 sleep without wake_up: allocate the weights to write
+            self.wake_up(tags=["weights"])
         self._targets = dict(self.model.state_dict(keep_vars=True))
         count = 0
         for name, tensor in named_tensors:
@@ -90,6 +94,8 @@ class NativeRollout:
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the rollout model expects {tuple(target.shape)}")
             target.data.copy_(tensor, non_blocking=True)
+            if self._unset is not None:
+                self._unset.pop(id(target), None)
             count += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -137,13 +143,23 @@ class NativeRollout:
                 raise ValueError(f"update_lora: {name!r} has shape {tuple(tensor.shape)}, the rollout model's "
                                  f"adapter has {tuple(target.shape)} (the LoRA rank changed?)")
             target.data.copy_(tensor)  # in place: the decoder's fused adapters view these
+            if self._unset is not None:
+                self._unset.pop(id(target), None)
             count += 1
         if installed:
             self.decoder = build_decoder(self.model, self.config.native_impl, compile=self.config.native_compile)
         return count
 
     def sleep(self) -> None:
-        """On GPU: free the KV cache and move the weights to host memory. No-op on CPU."""
+        """rollout.sleep_level 1, on GPU: free the KV cache and move the weights to host memory (on CPU
+        there is nothing to free). Level 2, on any device: free the KV cache and discard the weights,
+        handing their memory back to the system (the trainer re-sends every weight before the next
+        generation). Nothing when rollout.free_cache_engine is off."""
+        if not self.config.free_cache_engine:
+            return
+        if self.config.sleep_level == 2:
+            self._discard_weights()
+            return
         if self.device.type != "cuda":
             return
         self.decoder.release()  # also drops the fused device buffers the parameters view
@@ -152,13 +168,43 @@ class NativeRollout:
         self.memory["after_sleep_gb"] = cuda_memory_gb(self.device)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """On GPU: bring the weights back (tags None or containing "weights"); the KV cache is
-        allocated by the next generate. No-op on CPU."""
-        if self.device.type != "cuda":
+        """Bring the weights back (tags None or containing "weights"): level 1 on GPU moves them to the
+        device, level 2 allocates them empty for the sync to fill; the KV cache is allocated by the
+        next generate."""
+        if tags is not None and "weights" not in tags:
             return
-        if tags is None or "weights" in tags:
+        if self._unset is not None:
+            for param, shape in self._discarded:
+                param.data = torch.empty(shape, dtype=param.dtype, device=self.device)
+            self._discarded = []
+        elif self.device.type == "cuda":
             self.model.to(self.device)
         self.memory["after_wake_up_gb"] = cuda_memory_gb(self.device)
+
+    def _check_weights_set(self) -> None:
+        """After a level-2 sleep, every parameter must have been written again before generating."""
+        if self._unset is None:
+            return
+        if self._unset:
+            missing = sorted(set(self._unset.values()))
+            raise RuntimeError(
+                f"the native engine discarded its weights (rollout.sleep_level=2) and {len(missing)} were not "
+                f"synced since (e.g. {missing[0]!r}); sleep_level=2 needs the trainer to re-send every weight "
+                "before each generation: use rollout.sleep_level=1 where the engine has no actor to sync from")
+        self._unset = None
+
+    def _discard_weights(self) -> None:
+        """Level-2 sleep: every parameter's storage freed (shapes kept for wake_up), the KV cache and the
+        fused buffers too; until update_weights has written every parameter again, generate refuses."""
+        if self._unset is not None:
+            return
+        self.decoder.release()
+        params = list(self.model.parameters())  # tied weights once
+        self._discarded = [(p, p.shape) for p in params]
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self._unset = {id(p): name for name, p in self.model.named_parameters()}
+        release_freed_memory(self.device)
 
     def memory_metrics(self) -> dict[str, float]:
         """Device memory (GiB allocated) recorded after the last sleep / wake_up / generate; {} off GPU."""
@@ -174,6 +220,7 @@ class NativeRollout:
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
+        self._check_weights_set()
         params = sampling_params(self.config, prompts.meta_info, self.num_calls, self.dp_rank)
         self.num_calls += 1
         n, R = params.n, params.response_length
@@ -206,6 +253,25 @@ class NativeRollout:
         if self.device.type == "cuda":
             self.memory["peak_generate_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed memory back to the system: the CUDA caching allocator's blocks, and on CPU the C
+    library's free lists (glibc keeps freed blocks below its mmap threshold for reuse, so the resident
+    size would not drop; malloc_trim returns whole free pages)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
 
 
 def plan_chunks(num_prompts: int, group_size: int, max_rows: int) -> list[tuple[int, int, int, int]]:

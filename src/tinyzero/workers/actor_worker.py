@@ -173,6 +173,10 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config
         hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code, cfg.model.override_config)
         dims = self.dims["rollout"]
+        if self.actor is None and cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 2:
+            raise ValueError("actor_rollout_ref.rollout.sleep_level=2 discards the engine's weights after each "
+                             "generation, and this rollout pool holds no actor to re-send them from; "
+                             "set actor_rollout_ref.rollout.sleep_level=1")
         # Without an actor in this process the engine starts from the checkpoint's weights.
         return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
                              device=self.device, dp_rank=dims.dp_rank(self.rank), load_weights=self.actor is None,
