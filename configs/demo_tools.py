@@ -5,9 +5,9 @@
     torchrun --nproc_per_node 2 train.py sft --preset demo_cpu_tools_sft   # tool-call format warm-up
     torchrun --nproc_per_node 2 train.py --preset demo_cpu_tools           # GRPO, calculator in the loop
 
-The warm-up's conversations call the calculator and then answer a near miss of its result, so the
-policy starts with almost no right answers; GRPO has to teach it to copy the result (see
-tinyzero.demo_tools).
+Some of the warm-up's conversations call the calculator and answer its result, the others guess a
+number, so the policy starts by guessing more often than it calls; GRPO has to teach it that calling
+pays (see tinyzero.demo_tools).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def demo_cpu_tools() -> Config:
     t = cfg.trainer
     t.experiment_name = "demo-cpu-tools-grpo"
     t.default_local_dir = f"{DEMO_TOOLS_DIR}/grpo"
-    t.total_training_steps = 40
-    t.test_freq = 10
+    t.total_training_steps = 20
+    t.test_freq = 5
     t.export_hf = True  # the demo validates the trained policy once more, with the calculator disabled
     return cfg
 
 
 def demo_cpu_tools_sft() -> Config:
-    """The format warm-up: multi-turn SFT on tool conversations whose final answers are near misses."""
+    """The format warm-up: multi-turn SFT on tool conversations and direct guesses (tinyzero.demo_tools)."""
     cfg = demo_cpu_sft()
     base = demo_cpu_tools()
     d = cfg.data
@@ -59,8 +59,11 @@ def demo_cpu_tools_sft() -> Config:
     d.max_response_length = base.data.max_response_length
     d.max_length = 160
     cfg.actor_rollout_ref.model.path = f"{DEMO_TOOLS_DIR}/tiny_model"
+    optim = cfg.actor_rollout_ref.actor.optim
+    optim.warmup_style = "cosine"  # the copying of operands and results is learned late (a few hundred steps)
+    optim.lr_warmup_steps = 50
     t = cfg.trainer
     t.experiment_name = "demo-cpu-tools-sft"
     t.default_local_dir = f"{DEMO_TOOLS_DIR}/sft"
-    t.total_training_steps = 400
+    t.total_training_steps = 800
     return cfg

@@ -4,15 +4,14 @@
   conversation equal the prompt's ids, the call's, the observation tokens the loop appends
   (agent.chat.ObservationRenderer) and the answer's, and its loss mask covers exactly the call and the
   answer, each with the template's "<|im_end|>\n" (tokens the loop never samples: harmless targets).
-* End to end (slow): the tiny model, the format-only warm-up and GRPO with the calculator in the agent
-  loop; validation (greedy, through the agent loop) accuracy rises by at least 0.3 from the warmed-up
-  policy's, which is at chance (about 0.1); tool calls per validation sample end above 0.5 (val/agent/tool_calls/mean);
-  and the trained policy with the calculator disabled (one assistant turn) stays below 0.05.
-  Opt-in (TINYZERO_RUN_TOOLS_DEMO=1): the rise is not yet robust to the run's randomness. With
-  --seed 0 it passes on this project's 2-core AMD EPYC (AVX-512) machines every time (accuracy
-  0.09 -> 0.84 in 40 steps); other seeds copy the tool's result later (--seed 1: +0.22 after 60
-  steps) or, for some model initialisations, the warm-up does not learn to copy the question's
-  operands into the call; a different CPU's rounding changes the run as a different seed would.
+* End to end (slow): the tiny model, the warm-up (a share of the conversations call the calculator and
+  copy its result, the others guess) and GRPO with the calculator in the agent loop. Greedy validation
+  (through the agent loop) of the warmed-up policy mostly guesses: accuracy at most 0.3. GRPO teaches
+  it to call the tool: accuracy rises by at least 0.3 and tool calls per validation sample end above
+  0.9 (val/agent/tool_calls/mean); the trained policy with the calculator disabled (one assistant
+  turn) stays below 0.05. Opt-in (TINYZERO_RUN_TOOLS_DEMO=1): GRPO's part is quick and sure (--seed 1:
+  0.00 -> 0.98 after 5 steps), but whether the warm-up learns to copy within its 800 steps depends on
+  the seed (--seed 2: not yet, and GRPO then learns to stop calling a tool whose use it cannot copy).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def test_warmup_conversations_match_the_agent_loop_tokens(tiny_model_dir, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TINYZERO_RUN_TOOLS_DEMO") != "1",
-                    reason="the tools demo's rise depends on the seed and the CPU's rounding; "
+                    reason="whether the warm-up learns to copy within its 800 steps depends on the seed; "
                            "run it with TINYZERO_RUN_TOOLS_DEMO=1")
 def test_tools_demo_learns_to_use_the_calculator(tmp_path):
     from tinyzero.demo import main, summary
@@ -72,9 +71,9 @@ def test_tools_demo_learns_to_use_the_calculator(tmp_path):
     assert main(["--task", "tools", "--out", str(out)]) == 0
     before, after = summary(str(out / "grpo"))
     acc = f"val/test_acc/{DATA_SOURCE}"
-    assert before[acc] <= 0.2, before  # the warm-up taught the format, not the answers (chance: about 0.1)
+    assert before[acc] <= 0.3, before  # the warm-up taught the format and the copying, not the products
     assert after[acc] - before[acc] >= 0.3, (before, after)
-    assert after["val/agent/tool_calls/mean"] > 0.5, after
+    assert after["val/agent/tool_calls/mean"] > 0.9, after
     assert any("agent/tool_calls/mean" in row for row in read_metrics(str(out / "grpo")))  # training steps too
     no_tools = [r for r in read_metrics(str(out / "no_tools")) if acc in r]
     assert len(no_tools) == 1 and no_tools[0][acc] < 0.05, no_tools

@@ -10,20 +10,27 @@ it can call the calculator tool in the agent loop (actor_rollout_ref.rollout.mul
     <answer>10488</answer><|im_end|>
 
 scored by the arithmetic rule (the last <answer>N</answer> of the response: 1.0 right, 0.1 another
-number, 0 none; the tool's result is not in a tag, so copying it into the answer is the model's job).
+number, 0 none).
 
-  1. SFT warm-up (`train.py sft --preset demo_cpu_tools_sft`) on multi-turn conversations of other
-     problems: the call with the question's expression, the tool's true result, and a final answer
-     that is a near miss of it (its hundreds digit a random one, see `near_miss`). It teaches the
-     tool-call format and the answer format, not the answers: the policy starts at chance accuracy
-     (about 0.1: the right hundreds digit 1 time in 10).
-  2. GRPO (`train.py --preset demo_cpu_tools`) with the calculator in the loop: the reward alone has
-     to teach the model to copy the tool's result exactly. Validation runs through the agent loop too
-     and logs val/agent/* (tool calls per sample, turns, stop reasons) beside val/test_acc/*.
-     With --seed 0 accuracy goes 0.09 -> 0.84 in the preset's 40 steps; the step at which the
-     copying clicks varies with the seed (--seed 1: 0.14 after 40 steps, 0.31 after 60).
+  1. SFT warm-up (`train.py sft --preset demo_cpu_tools_sft`) on conversations of other problems:
+     CALL_SHARE of them call the calculator with the question's expression and answer the tool's
+     result; the others answer at once with a random number (`warmup_conversation`). It teaches the
+     tool-call format and the copying (operands into the call, result into the answer), not the
+     products: the warmed-up policy calls the tool on about 40% of its samples, and greedy
+     validation, which takes the likelier first move, answers directly and is almost always wrong.
+  2. GRPO (`train.py --preset demo_cpu_tools`) with the calculator in the agent loop: a sample that
+     calls it is right, one that guesses is not, and the reward alone teaches the policy to call it.
+     Validation runs through the agent loop too and logs val/agent/* (tool calls per sample, turns,
+     stop reasons) beside val/test_acc/*.
   3. The trained policy validated once more with the calculator disabled (multi_turn.enable=false:
      one assistant turn, no tool runs): its accuracy stays near 0, the skill is the tool's use.
+
+The copying is what the tiny model learns slowly, at a step that moves with the seed: with --seed 1
+the warm-up's loss drops to the guesses' floor (about 0.11) after about 500 of its 800 steps (cosine
+schedule) and GRPO takes validation accuracy 0.00 -> 0.98 in 5 steps; with --seed 2 the loss is
+still 0.2 at step 800 and GRPO learns to stop calling a tool whose result it cannot copy. With 400
+constant-rate steps, or a quarter of the conversations calling the tool, most seeds never learn to
+copy the operands, and no reward can teach that.
 
 The SFT conversations are rendered by the chat template exactly as the agent loop builds its
 sequences (the call's tokens, the tool turn's observation tokens, the answer), so the warm-up trains
@@ -43,6 +50,8 @@ B_RANGE = (100, 999)
 NUM_TRAIN = 4096
 NUM_TEST = 64
 NUM_SFT = 2048
+CALL_SHARE = 0.4
+"""The share of the warm-up's conversations that call the calculator (the others guess)."""
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
 """build_tiny_model arguments of the demo's model."""
 
@@ -56,6 +65,24 @@ def conversation(a: int, b: int, answer: int) -> list[dict]:
     """A whole tool conversation: question, call, the tool's result, final answer `answer`."""
     return [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": tool_call(a, b)},
             {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": f"<answer>{answer}</answer>"}]
+
+
+def direct_answer(a: int, b: int, guess: int) -> list[dict]:
+    """A conversation without the tool: the question, then the answer `guess` at once."""
+    return [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": f"<answer>{guess}</answer>"}]
+
+
+def warmup_conversation(a: int, b: int, rng: random.Random) -> list[dict]:
+    """One SFT conversation: the calculator's use (CALL_SHARE of them) or a direct guess.
+
+    With the tool, the final answer is the tool's result: the warm-up teaches the call's format, the
+    copying of the question's operands into it and of the result into the answer. Without it, the
+    answer is a random number of a product's size: the model cannot multiply, and the warm-up does not
+    teach it to. The policy then calls the calculator about CALL_SHARE of the time, and GRPO learns
+    from the reward alone that calling it pays."""
+    if rng.random() < CALL_SHARE:
+        return conversation(a, b, a * b)
+    return direct_answer(a, b, rng.randint(A_RANGE[0] * B_RANGE[0], A_RANGE[1] * B_RANGE[1]))
 
 
 def build_data(out_dir: str, seed: int = 0) -> None:
@@ -80,20 +107,8 @@ def build_data(out_dir: str, seed: int = 0) -> None:
         rows = [make_row(DATA_SOURCE, f"{a}*{b}=", str(a * b), split, i, a=a, b=b, op="*")
                 for i, (a, b) in enumerate(problems)]
         write_parquet(rows, os.path.join(out_dir, f"{split}.parquet"))
-    write_parquet([{"messages": conversation(a, b, near_miss(a * b, rng))} for a, b in sft],
+    write_parquet([{"messages": warmup_conversation(a, b, rng)} for a, b in sft],
                   os.path.join(out_dir, "sft.parquet"))
-
-
-def near_miss(result: int, rng: random.Random) -> int:
-    """`result` with its hundreds digit replaced by a random digit (0-9, independent of it): the warm-up's answer.
-
-    The warm-up teaches the answer format and the copying of the result's other digits; the hundreds
-    digit carries no information about the right one, so the policy is right about 1 time in 10, by
-    chance. Not a near miss that always differs (result + 1 or + 2 as in the addition demo): a tiny
-    model that copies well learns to avoid the right digit exactly, and GRPO then never samples it.
-    Not the last digit either: a product's last digit is 0 for 27% of these problems, so a policy that
-    always ends in 0 would score 0.27 without copying anything; its hundreds digit is uniform."""
-    return result - (result // 100 % 10) * 100 + rng.randint(0, 9) * 100
 
 
 def validate_without_tools(nproc: int, out: str, common: list[str], env: dict) -> float:
