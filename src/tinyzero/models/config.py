@@ -26,6 +26,10 @@ class ModelConfig:
     """HF attention kernel: "auto" picks flash_attention_2 on GPU when installed, else sdpa."""
     enable_gradient_checkpointing: bool = True
     """Recompute decoder-layer activations in backward (activation checkpointing) to save memory."""
+    use_fused_layers: bool = False
+    """RMSNorms and SwiGLU MLPs that keep less for backward (tinyzero.models.fused_layers): the same forward,
+    about a fifth less activation memory in training, for a few elementwise ops in backward. Not with
+    tensor parallelism."""
     override_config: dict = field(default_factory=dict)
     """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""
     use_remove_padding: bool = False

@@ -220,6 +220,13 @@ def load_sharded_model(
     if failed.item():
         raise ValueError(f"the first rank of the model's mesh could not load {path!r}; see its error")
     model = _build(kind, path, model_config, "meta", dtype)
+    if getattr(model_config, "use_fused_layers", False):
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            raise ValueError("model.use_fused_layers works on plain tensors, not under tensor parallelism; "
+                             "set model.use_fused_layers=false or tensor_model_parallel_size=1")
+        from tinyzero.models.fused_layers import apply_fused_layers
+
+        apply_fused_layers(model)
     parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing,
                 tp_mesh=tp_mesh)
     target = torch.device("cpu") if fsdp_config.offload_policy else _comm_device(mesh)
