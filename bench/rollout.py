@@ -97,11 +97,11 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def _native(model, impl: str, batch: int, new_tokens: int, device, compile: bool = False):
+def _native(model, impl: str, batch: int, new_tokens: int, device, compile: bool = False, dtype: str = "auto"):
     from tinyzero.rollout import RolloutConfig
     from tinyzero.rollout.native import NativeRollout
 
-    cfg = RolloutConfig(response_length=new_tokens, native_impl=impl, max_num_seqs=max(batch, 1), dtype="auto",
+    cfg = RolloutConfig(response_length=new_tokens, native_impl=impl, max_num_seqs=max(batch, 1), dtype=dtype,
                         native_compile=compile)
     engine = NativeRollout(cfg, model.config, device)
     engine.update_weights(model.state_dict().items())
@@ -223,11 +223,12 @@ def bench_model_generate(args) -> dict:
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.model_dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     cpu, n, new = torch.device("cpu"), args.model_n, args.model_new_tokens
     prompts = _chat_prompts(tok, args.model_prompts)
     prompts.meta_info.update(n=n, do_sample=True, temperature=1.0)
-    engine = _native(model, "fused", args.model_prompts * n, new, cpu)
+    engine = _native(model, "fused", args.model_prompts * n, new, cpu, dtype=args.model_dtype)
     warm = prompts[:1]
     warm.meta_info = dict(prompts.meta_info)
     _time_native(engine, warm, "warm-up")
@@ -247,7 +248,8 @@ def bench_model_generate(args) -> dict:
         assert out.shape == (ids.shape[0] * n, ids.shape[1] + new)
         times["hf"].append(dt)
     tokens = args.model_prompts * n * new
-    res = {"model": os.path.abspath(args.model), "model_prompts": args.model_prompts, "model_n": n,
+    res = {"model": os.path.abspath(args.model), "model_dtype": args.model_dtype, "model_prompts": args.model_prompts,
+           "model_n": n,
            "model_new_tokens": new, "model_prompt_len": int(ids.shape[1]), "rounds": args.rounds}
     res.update({f"model_{k}_tokens_per_s": round(tokens / statistics.median(v), 1) for k, v in times.items()})
     res["model_speedup_vs_hf"] = round(statistics.median(h / a for h, a in zip(times["hf"], times["native"])), 2)
@@ -428,6 +430,8 @@ def main() -> None:
     parser.add_argument("--model_prompts", type=int, default=8)
     parser.add_argument("--model_n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--model_new_tokens", type=int, default=64)
+    parser.add_argument("--model_dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="weights and compute of both the native engine and HF generate")
     args = parser.parse_args()
     if args.model is not None:
         if not os.path.isfile(os.path.join(args.model, "config.json")):

@@ -122,6 +122,10 @@ class TrainerConfig:
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (the world group and every pool's groups): a rank that stops
     taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
+    host_mmap_threshold_kb: int = 64
+    """glibc malloc: host allocations of at least this many KiB get their own mapping, returned to the
+    system when freed, so a process's resident memory follows its live tensors instead of keeping what
+    each phase freed (tinyzero.host_memory). 0 leaves glibc's adaptive default."""
     hang_timeout_s: float = 300.0
     """Progress watchdog: when a rank reports no progress (a step phase, a micro-batch, generated
     tokens, scored samples) for this long while its main thread sits still outside a collective, or
@@ -149,7 +153,7 @@ class TrainerConfig:
             if name not in known:
                 raise ConfigError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
                                  f"choose from {list(known)}")
-        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold"):
+        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold", "host_mmap_threshold_kb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
         if self.partial_rollout_chunk < 1:

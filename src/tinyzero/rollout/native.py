@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from tinyzero.host_memory import release_freed_memory
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.decoder import build_decoder
@@ -253,25 +254,6 @@ class NativeRollout:
         if self.device.type == "cuda":
             self.memory["peak_generate_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Hand freed memory back to the system: the CUDA caching allocator's blocks, and on CPU the C
-    library's free lists (glibc keeps freed blocks below its mmap threshold for reuse, so the resident
-    size would not drop; malloc_trim returns whole free pages)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        libc = None
-    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
-        libc.malloc_trim(0)
 
 
 def plan_chunks(num_prompts: int, group_size: int, max_rows: int) -> list[tuple[int, int, int, int]]:
