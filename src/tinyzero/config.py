@@ -122,10 +122,12 @@ class TrainerConfig:
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (the world group and every pool's groups): a rank that stops
     taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
-    host_mmap_threshold_kb: int = 64
+    host_mmap_threshold_kb: int = 0
     """glibc malloc: host allocations of at least this many KiB get their own mapping, returned to the
     system when freed, so a process's resident memory follows its live tensors instead of keeping what
-    each phase freed (tinyzero.host_memory). 0 leaves glibc's adaptive default."""
+    each phase freed (tinyzero.host_memory; e.g. 1024). The price is page faults on every such
+    allocation, which a small model's many MB-sized activations feel. 0 (default) leaves glibc's
+    adaptive threshold."""
     hang_timeout_s: float = 300.0
     """Progress watchdog: when a rank reports no progress (a step phase, a micro-batch, generated
     tokens, scored samples) for this long while its main thread sits still outside a collective, or
