@@ -14,10 +14,11 @@ number, 0 none).
 
   1. SFT warm-up (`train.py sft --preset demo_cpu_tools_sft`) on conversations of other problems:
      CALL_SHARE of them call the calculator with the question's expression and answer the tool's
-     result; the others answer at once with a random number (`warmup_conversation`). It teaches the
-     tool-call format and the copying (operands into the call, result into the answer), not the
-     products: the warmed-up policy calls the tool on about 40% of its samples, and greedy
-     validation, which takes the likelier first move, answers directly and is almost always wrong.
+     result; the others answer at once with the question's larger factor, copied (a lazy guess,
+     `warmup_conversation`). It teaches the tool-call format and the copying (operands into the
+     call, result into the answer), not the products: the warmed-up policy calls the tool on about
+     40% of its samples, and greedy validation, which takes the likelier first move, guesses and is
+     wrong.
   2. GRPO (`train.py --preset demo_cpu_tools`) with the calculator in the agent loop: a sample that
      calls it is right, one that guesses is not, and the reward alone teaches the policy to call it.
      Validation runs through the agent loop too and logs val/agent/* (tool calls per sample, turns,
@@ -25,12 +26,14 @@ number, 0 none).
   3. The trained policy validated once more with the calculator disabled (multi_turn.enable=false:
      one assistant turn, no tool runs): its accuracy stays near 0, the skill is the tool's use.
 
-The copying is what the tiny model learns slowly, at a step that moves with the seed: with --seed 1
-the warm-up's loss drops to the guesses' floor (about 0.11) after about 500 of its 800 steps (cosine
-schedule) and GRPO takes validation accuracy 0.00 -> 0.98 in 5 steps; with --seed 2 the loss is
-still 0.2 at step 800 and GRPO learns to stop calling a tool whose result it cannot copy. With 400
-constant-rate steps, or a quarter of the conversations calling the tool, most seeds never learn to
-copy the operands, and no reward can teach that.
+Two things make the run hold across seeds. The copying is what the tiny model learns slowly, at a
+step that moves with the seed: when the guesses were random numbers, only the conversations that
+call the tool trained it, and with --seed 2 it was not learned in 800 steps; with the guess a copy
+too, every conversation trains it, and 1200 cosine-scheduled steps (~3.5 min) learned it for every
+seed tried (greedy copy accuracy after the warm-up, --seed 0: operands 1.00, results 0.90). And
+GRPO's rate: at 5e-4 the failed samples' updates broke the tool-call format faster than the good
+ones taught the call (tool calls fell to 0 within 10 steps); at 2e-4 the policy calls on every
+validation sample within 5 to 10 steps.
 
 The SFT conversations are rendered by the chat template exactly as the agent loop builds its
 sequences (the call's tokens, the tool turn's observation tokens, the answer), so the warm-up trains
@@ -67,22 +70,22 @@ def conversation(a: int, b: int, answer: int) -> list[dict]:
             {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": f"<answer>{answer}</answer>"}]
 
 
-def direct_answer(a: int, b: int, guess: int) -> list[dict]:
-    """A conversation without the tool: the question, then the answer `guess` at once."""
-    return [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": f"<answer>{guess}</answer>"}]
+def direct_answer(a: int, b: int) -> list[dict]:
+    """A conversation without the tool: the question, then a lazy guess, the larger factor copied (never right)."""
+    return [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": f"<answer>{b}</answer>"}]
 
 
 def warmup_conversation(a: int, b: int, rng: random.Random) -> list[dict]:
-    """One SFT conversation: the calculator's use (CALL_SHARE of them) or a direct guess.
+    """One SFT conversation: the calculator's use (CALL_SHARE of them) or a lazy guess.
 
     With the tool, the final answer is the tool's result: the warm-up teaches the call's format, the
     copying of the question's operands into it and of the result into the answer. Without it, the
-    answer is a random number of a product's size: the model cannot multiply, and the warm-up does not
-    teach it to. The policy then calls the calculator about CALL_SHARE of the time, and GRPO learns
-    from the reward alone that calling it pays."""
+    answer is the question's larger factor, copied: wrong (a >= 10), and a copy too, so every
+    conversation trains the copying the tool's use needs. The policy then calls the calculator on
+    about CALL_SHARE of its samples, and GRPO learns from the reward alone that calling it pays."""
     if rng.random() < CALL_SHARE:
         return conversation(a, b, a * b)
-    return direct_answer(a, b, rng.randint(A_RANGE[0] * B_RANGE[0], A_RANGE[1] * B_RANGE[1]))
+    return direct_answer(a, b)
 
 
 def build_data(out_dir: str, seed: int = 0) -> None:
