@@ -1,6 +1,7 @@
 """tinyzero.host_memory: with the mmap threshold fixed (trainer.host_mmap_threshold_kb), memory a process frees
 goes back to the system even when it is interleaved with live tensors; with glibc's adaptive default
-it stays resident. Each case runs in a fresh interpreter (malloc settings are per process)."""
+it stays resident until a phase ends with more than trainer.host_trim_threshold_mb free in the heaps
+(phase_done). Each case runs in a fresh interpreter (malloc settings are per process)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,28 @@ import sys
 import pytest
 
 from tinyzero.host_memory import _glibc
+
+TRIM_SCRIPT = r"""
+import json, torch
+from tinyzero.host_memory import free_heap_bytes, phase_done, set_trim_threshold
+def rss_mb():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) / 1024
+big = torch.ones(4 * 2**20)  # 16 MiB, freed: glibc's adaptive threshold rises above 1 MiB
+del big
+blocks = [torch.ones(2**18) for _ in range(200)]  # 200 x 1 MiB from the heap, written (resident)
+del blocks[::2]  # every other one freed: holes between live blocks
+free_mb, before = free_heap_bytes() / 2**20, rss_mb()
+set_trim_threshold(0)
+off = phase_done()
+set_trim_threshold(2**30)  # 1 GiB: more than the heaps hold free
+high = phase_done()
+after_high = rss_mb()
+set_trim_threshold(64 * 2**20)
+trimmed = phase_done()
+live_sum = float(sum(b.sum() for b in blocks))  # the live blocks are intact
+print(json.dumps({"free_mb": free_mb, "off": off, "high": high, "kept_mb": before - after_high,
+                  "trimmed": trimmed, "freed_mb": before - rss_mb(), "live_sum": live_sum}))
+"""
 
 SCRIPT = r"""
 import json, sys, torch
@@ -27,8 +50,8 @@ print(json.dumps({"set": ok, "freed_mb": before - rss_mb()}))
 """
 
 
-def _run(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True)
+def _run(mode: str, script: str = SCRIPT) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -38,3 +61,14 @@ def test_fixed_mmap_threshold_returns_freed_memory():
     assert fixed["set"] is True
     assert fixed["freed_mb"] >= 90, fixed  # the 100 freed MiB left the process
     assert default["freed_mb"] < 20, default  # glibc's default kept them (holes in its heap)
+
+
+@pytest.mark.skipif(_glibc() is None or not hasattr(_glibc(), "mallinfo2"), reason="needs glibc >= 2.33")
+def test_phase_done_trims_only_above_the_threshold():
+    r = _run("trim", TRIM_SCRIPT)
+    assert 95 <= r["free_mb"] <= 110, r  # the 100 freed MiB (plus the allocator's own slack)
+    assert r["off"] is False and r["high"] is False, r  # off, or fewer free bytes than the threshold
+    assert r["kept_mb"] < 5, r  # ... and nothing left the process
+    assert r["trimmed"] is True, r
+    assert r["freed_mb"] >= 90, r  # the holes' pages went back to the system
+    assert r["live_sum"] == 100 * 2**18, r

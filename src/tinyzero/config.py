@@ -122,6 +122,11 @@ class TrainerConfig:
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (the world group and every pool's groups): a rank that stops
     taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
+    host_trim_threshold_mb: int = 256
+    """glibc malloc: at the end of each phase of a step (generation, log-probs, update, ...), when the
+    host heaps hold more than this many MiB free, their free pages go back to the system (malloc_trim),
+    so what one phase freed does not stay resident under the next one's peak (tinyzero.host_memory).
+    The next phase faults in only the pages it reuses. 0 turns it off."""
     host_mmap_threshold_kb: int = 0
     """glibc malloc: host allocations of at least this many KiB get their own mapping, returned to the
     system when freed, so a process's resident memory follows its live tensors instead of keeping what
@@ -155,7 +160,8 @@ class TrainerConfig:
             if name not in known:
                 raise ConfigError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
                                  f"choose from {list(known)}")
-        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold", "host_mmap_threshold_kb"):
+        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold", "host_mmap_threshold_kb",
+                     "host_trim_threshold_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
         if self.partial_rollout_chunk < 1:
