@@ -21,11 +21,13 @@ def _batch(seed: int = 0, batch: int = 4, seq: int = 10):
 
 
 CASES = {
-    # name: (fsdp_size, meta init + rank-0 broadcast, CPUOffloadPolicy, gradient checkpointing)
-    "shard": (-1, False, False, True),
-    "meta_init": (-1, True, False, False),
-    "hybrid": (1, True, False, True),  # 2-D mesh (replicate=2, shard=1): grads all-reduced across replicas
-    "offload_policy": (-1, True, True, False),
+    # name: (fsdp_size, meta init + rank-0 broadcast, CPUOffloadPolicy, gradient checkpointing,
+    #        wrap_policy.min_num_params)
+    "shard": (-1, False, False, True, 0),
+    "meta_init": (-1, True, False, False, 0),
+    "hybrid": (1, True, False, True, 0),  # 2-D mesh (replicate=2, shard=1): grads all-reduced across replicas
+    "offload_policy": (-1, True, True, False, 0),
+    "one_unit": (-1, True, False, False, 10**9),  # every layer left in the root unit
 }
 
 
@@ -55,8 +57,9 @@ def _load_corrupt(path: str) -> str:
 
 
 def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, offload_policy: bool,
-                              checkpointing: bool):
+                              checkpointing: bool, min_num_params: int):
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from tinyzero.models.config import FSDPConfig, ModelConfig
     from tinyzero.models.fsdp import load_sharded_model, make_fsdp_mesh, parallelize
@@ -64,7 +67,8 @@ def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, of
     from tinyzero.workers.update import clip_grad_norm
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    fsdp_cfg = FSDPConfig(fsdp_size=fsdp_size, offload_policy=offload_policy)
+    fsdp_cfg = FSDPConfig(fsdp_size=fsdp_size, offload_policy=offload_policy,
+                          wrap_policy={"min_num_params": min_num_params})
     mesh = make_fsdp_mesh(fsdp_cfg, "cpu")
     model_cfg = ModelConfig(path=path, enable_gradient_checkpointing=checkpointing)
     if use_meta_init:
@@ -87,7 +91,8 @@ def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, of
     grads = {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
     # Tensors cross the process boundary as numpy (torch tensors would go through shared memory
     # that disappears when the rank exits).
-    return torch.cat(full_logits).numpy(), _np(params), _np(grads), float(norm)
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    return torch.cat(full_logits).numpy(), _np(params), _np(grads), float(norm), units
 
 
 def _np(d):
@@ -110,7 +115,7 @@ def _reference(path: str):
 
 def _check_against_reference(results, ref):
     ref_logits, ref_params, ref_grads, ref_norm = ref
-    for logits, params, grads, norm in results:
+    for logits, params, grads, norm, _ in results:
         logits = torch.from_numpy(logits)
         params = {k: torch.from_numpy(v) for k, v in params.items()}
         grads = {k: torch.from_numpy(v) for k, v in grads.items()}
@@ -147,8 +152,22 @@ def reference(tiny_model_dir):
 def test_fsdp_two_ranks_match_unsharded(two_rank_results, reference, case):
     """shard: parallelize a loaded model; meta_init: rank 0 reads the safetensors, the others build on meta
     and receive every tensor (and the rotary buffers) by broadcast; hybrid: 2-D mesh; offload_policy: FSDP2's
-    CPUOffloadPolicy. Logits, parameters, gradients and the grad norm all equal the unsharded model's."""
+    CPUOffloadPolicy; one_unit: no layer is a unit of its own. Logits, parameters, gradients and the grad norm
+    all equal the unsharded model's."""
     _check_against_reference([r[case] for r in two_rank_results], reference)
+
+
+def test_wrap_policy_leaves_small_layers_in_the_root_unit(two_rank_results, tiny_model_dir):
+    """min_num_params above a layer's size: one FSDP unit (the root) instead of one per layer plus the
+    root; the case above checks that it trains exactly like the unsharded model."""
+    import json
+    import os
+
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    for r in two_rank_results:
+        assert r["shard"][4] == layers + 1
+        assert r["one_unit"][4] == 1
 
 
 def _value_and_offload(path: str):

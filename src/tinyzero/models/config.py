@@ -94,6 +94,22 @@ class MixedPrecisionConfig:
 
 
 @dataclass
+class WrapPolicyConfig:
+    """Which decoder layers become FSDP2 units of their own (veRL: `fsdp_config.wrap_policy`)."""
+
+    min_num_params: int = 0
+    """A decoder layer with at least this many parameters is its own unit: gathered just before its
+    forward and backward, freed after (ZeRO-3). Smaller layers stay in the root unit, gathered with
+    the embeddings in one collective per forward and reduced in one per backward: fewer, larger
+    collectives, for models whose layers are too small for their per-collective cost to pay (on
+    CPUs with gloo, a few hundred thousand parameters per layer). 0: every layer is a unit."""
+
+    def __post_init__(self):
+        if self.min_num_params < 0:
+            raise ValueError(f"fsdp_config.wrap_policy.min_num_params={self.min_num_params} must be >= 0")
+
+
+@dataclass
 class FSDPConfig:
     """How a model is sharded with FSDP2 `fully_shard` (veRL: `fsdp_config`)."""
 
@@ -114,9 +130,13 @@ class FSDPConfig:
     backward (ZeRO-2 style: more memory, fewer all-gathers)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """Compute / reduce dtypes."""
+    wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+    """Which decoder layers are FSDP2 units of their own."""
 
     def __post_init__(self):
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise ValueError(f"fsdp_config.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive size")
         if isinstance(self.mixed_precision, dict):
             self.mixed_precision = MixedPrecisionConfig(**self.mixed_precision)
+        if isinstance(self.wrap_policy, dict):
+            self.wrap_policy = WrapPolicyConfig(**self.wrap_policy)

@@ -95,13 +95,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_config.offload_policy else OffloadPolicy()
     )
-    layers = decoder_layers(model)
+    min_params = fsdp_config.wrap_policy.min_num_params
+    layers = [layer for layer in decoder_layers(model) if sum(p.numel() for p in layer.parameters()) >= min_params]
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again at once by backward: keep them gathered.
         reshard = fsdp_config.reshard_after_forward and i < len(layers) - 1
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_config.reshard_after_forward, mp_policy=mp_policy,
-                offload_policy=offload)
+    # The root (embeddings, final norm, head, and the layers left to it) is never resharded after forward:
+    # backward needs the head first and the input embeddings last, so it holds the root gathered from its
+    # start to its end anyway; resharding in between would only cost one more all-gather. Forward-only
+    # passes free it explicitly (workers.common.reshard).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
     return model
 
 

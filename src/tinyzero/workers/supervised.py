@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
-from tinyzero.workers.common import load_role_model
+from tinyzero.workers.common import load_role_model, reshard
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
 from tinyzero.workers.scaling import all_reduce_sum
 from tinyzero.workers.update import optimizer_step
@@ -138,7 +138,9 @@ class SupervisedWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_step(self, data: DataProto) -> DataProto:
         self.model.eval()
-        return DataProto(meta_info={"metrics": self._run(data, train=False)})
+        metrics = self._run(data, train=False)
+        reshard(self.model)  # a forward without backward leaves the root unit gathered
+        return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0):
