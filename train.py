@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError
     from tinyzero.config_io import parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
-    from tinyzero.host_memory import set_mmap_threshold, set_trim_threshold
+    from tinyzero.host_memory import keep_freed_memory, set_mmap_threshold, set_trim_threshold
     from tinyzero.progress import start_watchdog, stop_watchdog
     from tinyzero.rewards.manager import RewardError
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.trainer.host_mmap_threshold_kb > 0:
         set_mmap_threshold(cfg.trainer.host_mmap_threshold_kb * 1024)
     set_trim_threshold(cfg.trainer.host_trim_threshold_mb * 2**20)
+    if cfg.trainer.host_keep_freed_memory:
+        keep_freed_memory()
     init_distributed(cfg.trainer.collective_timeout_s)
     start_watchdog(cfg.trainer.hang_timeout_s)
     try:

@@ -72,3 +72,45 @@ def test_phase_done_trims_only_above_the_threshold():
     assert r["trimmed"] is True, r
     assert r["freed_mb"] >= 90, r  # the holes' pages went back to the system
     assert r["live_sum"] == 100 * 2**18, r
+
+
+KEEP_SCRIPT = r"""
+import json, resource, sys, torch
+from tinyzero.host_memory import free_heap_bytes, keep_freed_memory, phase_done, release_freed_memory, set_trim_threshold
+def rss_mb():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) / 1024
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ok = keep_freed_memory() if sys.argv[1] == "keep" else None
+set_trim_threshold(1)  # phase_done would trim any free byte
+a = torch.ones(16 * 2**20)  # 64 MiB, above glibc's largest adaptive mmap threshold (32 MiB)
+del a
+f0 = faults()
+b = torch.ones(15 * 2**20)  # 60 MiB, written: fits in the freed block's pages
+refault = faults() - f0
+del b
+before = rss_mb()
+trimmed = phase_done()
+release_freed_memory()
+print(json.dumps({"set": ok, "refault_pages": refault, "trimmed": trimmed, "freed_mb": before - rss_mb(),
+                  "free_mb": free_heap_bytes() / 2**20}))
+"""
+
+
+@pytest.mark.skipif(_glibc() is None or not hasattr(_glibc(), "mallinfo2"), reason="needs glibc >= 2.33")
+def test_keep_freed_memory_reuses_pages_instead_of_faulting():
+    keep, default = _run("keep", KEEP_SCRIPT), _run("default", KEEP_SCRIPT)
+    pages = 60 * 2**20 // 4096
+    # glibc's default maps a block of 32 MiB or more afresh each time: every page faults when written.
+    assert default["refault_pages"] >= 0.9 * pages, default
+    # Kept, the second block reuses the first one's pages from the heap.
+    assert keep["set"] is True and keep["refault_pages"] < 0.05 * pages, keep
+    # Nothing is trimmed while kept: the freed 60 MiB stay resident and free in the heap.
+    assert keep["trimmed"] is False and keep["freed_mb"] < 5 and keep["free_mb"] >= 59, keep
+
+
+def test_keep_freed_memory_conflicts_with_the_mmap_threshold():
+    from tinyzero.config import ConfigError, TrainerConfig
+
+    with pytest.raises(ConfigError, match="host_keep_freed_memory"):
+        TrainerConfig(host_keep_freed_memory=True, host_mmap_threshold_kb=1024)
