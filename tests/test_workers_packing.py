@@ -112,6 +112,68 @@ def test_packed_log_probs_values_and_gradients_match_unpacked(models, n):
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["remove_padding", "shared_prefix"])
+def test_segment_attention_matches_the_dense_mask(models, mode):
+    """prepare_attention switches SDPA models to packed_sdpa_attention: per-segment attention over
+    gathered keys gives the dense-mask pass's log-probs, entropies, values and gradients (1e-5), and
+    unpacked calls (no blocks) are HF's SDPA unchanged."""
+    import copy
+
+    from tinyzero.workers.forward import response_log_probs, response_values
+    from tinyzero.workers.packing import PACKED_ATTENTION, prepare_attention
+
+    lm, _, value = models
+    seg_lm, seg_value = copy.deepcopy(lm), copy.deepcopy(value)
+    for m in (seg_lm, seg_value):
+        prepare_attention(m, mode)
+        assert m.config._attn_implementation == PACKED_ATTENTION
+    b = grouped_batch()
+    b["attention_mask"][1, -b["responses"].shape[1]:] = 0  # an empty response too
+    b["response_mask"][1] = 0
+    mask = b["response_mask"].bool()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for name, model, critic, packing in (("dense", lm, value, mode), ("segments", seg_lm, seg_value, mode),
+                                         ("unpacked", seg_lm, seg_value, "none")):
+        model.zero_grad(set_to_none=True)
+        lp, ent = response_log_probs(model, b, 1.0, True, packing)
+        ((lp * weights)[mask].sum() + ent[mask].sum()).backward()
+        with torch.no_grad():
+            vals = response_values(critic, b, packing)
+        out[name] = lp.detach(), ent.detach(), vals, {k: p.grad.clone() for k, p in model.named_parameters()}
+    for name in ("segments", "unpacked"):
+        for got, want in zip(out[name][:3], out["dense"][:3]):
+            torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
+        for k, g in out[name][3].items():
+            torch.testing.assert_close(g, out["dense"][3][k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert not out["segments"][0][~mask].any()
+
+
+def test_attention_blocks_pair_each_response_with_its_prompt():
+    from tinyzero.workers.packing import attention_blocks, pack
+
+    b = grouped_batch(prompts=2, n=2)
+    r = b["responses"].shape[1]
+    packed = pack(b["input_ids"], b["attention_mask"], b["position_ids"], r, share_prefix=True)
+    alone, seeing = attention_blocks(packed.segments, packed.sees)
+    flat_seg = packed.segments.reshape(-1)
+    assert alone.q_index.shape[0] == 2 and seeing.q_index.shape[0] == 4  # 2 prompts, 4 responses
+    # every real token is a query exactly once
+    covered = torch.cat([alone.out_index, seeing.out_index]).sort().values
+    assert torch.equal(covered, (flat_seg >= 0).nonzero().squeeze(-1))
+    for i in range(4):
+        q = seeing.q_index[i][seeing.q_valid[i]]
+        own = flat_seg[q].unique()
+        assert len(own) == 1
+        keys = seeing.kv_index[i][seeing.mask[i, 0].any(0)]
+        prompt = packed.sees.reshape(-1)[q[0]]
+        assert set(flat_seg[keys].tolist()) == {int(own), int(prompt)}
+        # causal inside the response: query slot t sees its first t + 1 own tokens
+        lp = seeing.kv_index.shape[1] - seeing.q_index.shape[1]
+        own_seen = seeing.mask[i, 0, :, lp:].sum(-1)[seeing.q_valid[i]]
+        assert torch.equal(own_seen, torch.arange(1, len(q) + 1))
+
+
 def test_long_groups_cut_for_dense_masks_stay_exact(models, monkeypatch):
     from tinyzero.workers.forward import response_log_probs
     from tinyzero.workers.packing import pack

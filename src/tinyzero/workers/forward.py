@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from tinyzero.workers.batching import trim_padding
-from tinyzero.workers.packing import DENSE_ROW_TOKENS, model_mask, pack
+from tinyzero.workers.packing import (
+    DENSE_ROW_TOKENS,
+    attention_blocks,
+    model_mask,
+    pack,
+    uses_attention_blocks,
+)
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -33,6 +39,13 @@ def _backbone(model: nn.Module) -> nn.Module:
     if backbone is None:
         raise ValueError(f"{type(model).__name__} has no backbone attribute {prefix!r}")
     return backbone
+
+
+def _attention_kwargs(model: nn.Module, packed) -> dict:
+    """Extra backbone arguments of a packed forward: the segment blocks for packed SDPA."""
+    if packed is None or not uses_attention_blocks(model):
+        return {}
+    return {"attention_blocks": attention_blocks(packed.segments, packed.sees)}
 
 
 def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, temperature=1.0,
@@ -46,7 +59,7 @@ def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, t
     from tinyzero.kernels import linear_log_probs
 
     out = _backbone(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)
+                          use_cache=False, **_attention_kwargs(self, packed))
     weight = self.get_output_embeddings().weight  # (vocab, hidden)
     if packed is None:
         r = responses.shape[1]
@@ -134,14 +147,15 @@ def response_log_probs(model: nn.Module, batch, temperature: float, return_entro
     return log_probs, entropy
 
 
-def _head_outputs(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+def _head_outputs(model: nn.Module, input_ids, attention_mask, position_ids, packed=None) -> torch.Tensor:
     """A scalar-head model's (rows, L, 1) outputs; gathered over the sequence under Ulysses."""
     group = getattr(model, "sp_group", None)
     if group is not None:
         from tinyzero.models.ulysses import sp_model_forward
 
         return sp_model_forward(model, input_ids, attention_mask, position_ids, group)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **_attention_kwargs(model, packed))
     return out.logits if hasattr(out, "logits") else out
 
 
@@ -150,7 +164,7 @@ def response_values(model: nn.Module, batch, packing: str = "none") -> torch.Ten
     responses = batch["responses"]
     if packing != "none":
         packed, mask = _pack_batch(model, batch, packing)
-        logits = _head_outputs(model, packed.input_ids, mask, packed.position_ids)  # (rows, L, 1)
+        logits = _head_outputs(model, packed.input_ids, mask, packed.position_ids, packed)  # (rows, L, 1)
         return packed.scatter(logits.reshape(-1).index_select(0, packed.hidden_index).float())
     r = responses.shape[1]
     ids, mask, pos, kept = trim_padding(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)

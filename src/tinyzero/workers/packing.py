@@ -29,10 +29,16 @@ For dense masks a group longer than DENSE_ROW_TOKENS is cut into several units, 
 copy of the prompt, which bounds the L x L mask (a single longer sequence keeps its own row).
 
 Attention backends: the mask goes to the HF model as a custom 4-D mask, which transformers uses
-as-is (masking_utils._preprocess_mask_arguments). SDPA takes a dense boolean mask (rows, 1, L, L),
-eager an additive float one, flex_attention a BlockMask built from the same rule (`mask_mod`),
-which skips the fully masked blocks and never materialises L x L. flash_attention_2/3 cannot take
-a custom mask, so `prepare_attention` switches a packed model to SDPA with a warning.
+as-is (masking_utils._preprocess_mask_arguments). Eager takes it as an additive float mask,
+flex_attention as a BlockMask built from the same rule (`mask_mod`), which skips the fully masked
+blocks and never materialises L x L. SDPA models are switched to "tinyzero_packed_sdpa"
+(`packed_sdpa_attention`): it attends segment by segment instead of over the whole row. Each
+segment's queries meet only the keys they may see (its prompt's tokens, then its own), gathered
+into two small padded batches (`attention_blocks`: the segments that see a prompt, the ones that do
+not), so a row holding a 90-token prompt and four 50-token responses costs about 4 x 50 x 140 +
+90 x 90 scores instead of 290 x 290, forward and backward. Without the blocks (a call that does not
+pass them) it is HF's SDPA with the dense boolean mask. flash_attention_2/3 cannot take a custom
+mask, so `prepare_attention` switches a packed model to SDPA with a warning.
 Tested: SDPA end to end on CPU (fp32), and the BlockMask's rule and a flex_attention call against
 the dense mask on CPU. Untested here: everything on GPU (the same code; on GPU set
 model.attn_implementation=flex_attention for block-sparse attention, as SDPA with a dense mask
@@ -46,11 +52,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention", "ulysses_sdpa")  # ulysses_sdpa: tinyzero.models.ulysses
+PACKED_ATTENTION = "tinyzero_packed_sdpa"
+_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention", "ulysses_sdpa", PACKED_ATTENTION)  # ulysses_sdpa: models.ulysses
 DENSE_ROW_TOKENS = 4096
 
 
@@ -69,7 +77,114 @@ def prepare_attention(model: nn.Module, mode: str) -> None:
     if impl not in _MASKED_ATTENTION:
         logger.warning("packed training needs attention with a custom 4-D mask; switching %s from %s to sdpa",
                        type(model).__name__, impl)
-        model.set_attn_implementation("sdpa")
+        impl = "sdpa"
+    if impl == "sdpa":
+        register_packed_attention()
+        impl = PACKED_ATTENTION
+    if impl != getattr(model.config, "_attn_implementation", "sdpa"):
+        model.set_attn_implementation(impl)
+
+
+def uses_attention_blocks(model: nn.Module) -> bool:
+    """Whether the model's attention takes `attention_blocks` (packed_sdpa_attention)."""
+    return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
+
+
+@dataclass
+class AttentionBlock:
+    """Segments attended to in one padded batch: S segments, Lq query slots, Lk key slots each."""
+
+    q_index: torch.Tensor  # (S, Lq) flattened (rows * L) position of each query slot (0 at padding)
+    q_valid: torch.Tensor  # (S, Lq) bool
+    kv_index: torch.Tensor  # (S, Lk) the prompt's tokens, then the segment's own
+    mask: torch.Tensor  # (S, 1, Lq, Lk) bool, True = may attend
+    out_index: torch.Tensor  # (valid slots,) q_index[q_valid]
+
+    def to(self, device) -> AttentionBlock:
+        return AttentionBlock(*(t.to(device) for t in (self.q_index, self.q_valid, self.kv_index, self.mask,
+                                                        self.out_index)))
+
+
+def _attention_block(queries: list[torch.Tensor], prefixes: list[torch.Tensor] | None) -> AttentionBlock:
+    """One padded batch: segment i's queries see prefixes[i] whole and its own earlier tokens."""
+    s, lq = len(queries), max(len(q) for q in queries)
+    lp = max(len(p) for p in prefixes) if prefixes else 0
+    q_index = torch.zeros(s, lq, dtype=torch.long)
+    q_valid = torch.zeros(s, lq, dtype=torch.bool)
+    kv_index = torch.zeros(s, lp + lq, dtype=torch.long)
+    kv_valid = torch.zeros(s, lp + lq, dtype=torch.bool)
+    for i, q in enumerate(queries):
+        q_index[i, :len(q)], q_valid[i, :len(q)] = q, True
+        kv_index[i, lp:lp + len(q)], kv_valid[i, lp:lp + len(q)] = q, True
+        if prefixes:
+            kv_index[i, :len(prefixes[i])], kv_valid[i, :len(prefixes[i])] = prefixes[i], True
+    slot = torch.arange(lq)
+    mask = kv_valid[:, None, :].repeat(1, lq, 1)  # (S, Lq, Lk)
+    mask[:, :, lp:] &= slot[None, :] <= slot[:, None]  # own keys up to the query (slot 0 is always there)
+    return AttentionBlock(q_index, q_valid, kv_index, mask[:, None], q_index[q_valid])
+
+
+def attention_blocks(segments: torch.Tensor, sees: torch.Tensor) -> list[AttentionBlock]:
+    """The segment-by-segment attention of a packed micro-batch (see `packed_sdpa_attention`): one block
+    of the segments that see a prompt segment, one of those that see only themselves."""
+    device = segments.device
+    seg, see = segments.reshape(-1).cpu(), sees.reshape(-1).cpu()
+    order = torch.argsort(seg, stable=True)  # flattened positions by segment, in position order
+    ids, counts = torch.unique_consecutive(seg[order], return_counts=True)
+    tokens = {s: t for s, t in zip(ids.tolist(), torch.split(order, counts.tolist())) if s >= 0}
+    alone, seeing, prompts = [], [], []
+    for s, toks in tokens.items():
+        prompt = int(see[toks[0]])
+        if prompt < 0 or prompt == s:
+            alone.append(toks)
+        else:
+            seeing.append(toks)
+            prompts.append(tokens[prompt])
+    blocks = []
+    if alone:
+        blocks.append(_attention_block(alone, None))
+    if seeing:
+        blocks.append(_attention_block(seeing, prompts))
+    return [b.to(device) for b in blocks]
+
+
+def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          sliding_window: int | None = None, attention_blocks=None, **kwargs):
+    """HF attention interface, (batch, heads, L, d) q/k/v in and (batch, L, heads, d) out: with
+    `attention_blocks` (a list of AttentionBlock) each block is one SDPA call over its segments' gathered
+    queries and keys, and positions in no segment (padding) get 0; without, HF's SDPA with the mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_blocks is None or sliding_window is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    b, heads, length, _ = query.shape
+    kv_heads = key.shape[1]
+    q = query.transpose(1, 2).reshape(b * length, heads, query.shape[-1])
+    k = key.transpose(1, 2).reshape(b * length, kv_heads, key.shape[-1])
+    v = value.transpose(1, 2).reshape(b * length, kv_heads, value.shape[-1])
+    outs, index = [], []
+    for block in attention_blocks:
+        qs = q[block.q_index].transpose(1, 2)  # (S, heads, Lq, d)
+        ks, vs = k[block.kv_index].transpose(1, 2), v[block.kv_index].transpose(1, 2)  # (S, kv_heads, Lk, d)
+        if kv_heads != heads:
+            ks, vs = ks.repeat_interleave(heads // kv_heads, 1), vs.repeat_interleave(heads // kv_heads, 1)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=block.mask, dropout_p=dropout, scale=scaling)
+        outs.append(out.transpose(1, 2)[block.q_valid])  # (valid slots, heads, d)
+        index.append(block.out_index)
+    out = query.new_zeros(b * length, heads, value.shape[-1]).index_copy(0, torch.cat(index), torch.cat(outs))
+    return out.view(b, length, heads, value.shape[-1]), None
+
+
+def register_packed_attention() -> str:
+    """Register "tinyzero_packed_sdpa" with HF's attention and mask registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    return PACKED_ATTENTION
 
 
 @dataclass
