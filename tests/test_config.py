@@ -186,3 +186,17 @@ def test_rollout_log_prob_batching_follows_a_dynamic_actor():
                                                                 "ppo_max_token_len_per_gpu": 4096}}})
     rollout = sync_derived_fields(cfg).actor_rollout_ref.rollout
     assert rollout.log_prob_use_dynamic_bsz and rollout.log_prob_max_token_len_per_gpu == 4096
+
+
+def test_weight_sync_bucket_defaults_by_device():
+    import torch
+
+    from tinyzero.rollout.config import RolloutConfig, sync_bucket_bytes
+
+    auto = RolloutConfig()
+    assert auto.weight_sync_bucket_mb == 0
+    assert sync_bucket_bytes(auto, torch.device("cpu")) == 32 << 20
+    assert sync_bucket_bytes(auto, torch.device("cuda", 0)) == 512 << 20
+    assert sync_bucket_bytes(RolloutConfig(weight_sync_bucket_mb=8), torch.device("cuda", 0)) == 8 << 20
+    with pytest.raises(ValueError, match="weight_sync_bucket_mb must be >= 0"):
+        RolloutConfig(weight_sync_bucket_mb=-1)

@@ -1,7 +1,7 @@
 """Rollout engines behind one interface, and weight sync from the trainer.
 
     engine = build_rollout(config, model_path, tokenizer, hf_config, device)
-    engine.update_weights(iter_full_params(actor_module, config.weight_sync_bucket_mb << 20))
+    engine.update_weights(iter_full_params(actor_module, sync_bucket_bytes(config, device)))
     out = engine.generate_sequences(prompt_batch)  # prompts, responses, input_ids, attention_mask,
                                                    # position_ids, response_mask, rollout_log_probs
     engine.sleep(); engine.wake_up(tags=None)

@@ -79,8 +79,11 @@ class RolloutConfig:
     before the next generation. Level 2 also frees the native engine's copy on CPU, lowering the peak
     memory of the training phases by one model in the rollout dtype, for a full (not incremental) sync
     each step; it needs the actor in the engine's processes (not a split rollout pool)."""
-    weight_sync_bucket_mb: int = 512
-    """Weights are gathered from the FSDP2 shards and pushed to the engine in buckets of this size."""
+    weight_sync_bucket_mb: int = 0
+    """Weights are gathered from the FSDP2 shards and pushed to the engine in buckets of this size (MiB).
+    0: 512 on GPU, 32 on CPU, where every large gathered bucket (and gloo's staging copy of it) is fresh
+    zeroed pages at each sync (SmolLM2-135M fp32 on 2 CPU ranks: a 1.0-1.2 s sync at 32 against
+    3.8-4.7 s at 512, and a lower peak; bench/RESULTS.md)."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Micro-batch size when the rollout worker recomputes log-probs (actor `compute_log_prob`)."""
     log_prob_use_dynamic_bsz: bool = False
@@ -175,8 +178,8 @@ class RolloutConfig:
             raise ValueError("rollout.max_num_batched_tokens and rollout.max_num_seqs must be >= 1")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
-        if self.weight_sync_bucket_mb < 1:
-            raise ValueError("rollout.weight_sync_bucket_mb must be >= 1")
+        if self.weight_sync_bucket_mb < 0:
+            raise ValueError("rollout.weight_sync_bucket_mb must be >= 0 (0: 512 on GPU, 32 on CPU)")
         if self.log_prob_micro_batch_size_per_gpu < 1:
             raise ValueError("rollout.log_prob_micro_batch_size_per_gpu must be >= 1")
         if self.log_prob_max_token_len_per_gpu < 1:
@@ -211,3 +214,11 @@ class RolloutConfig:
     def max_model_len(self) -> int:
         """Prompt plus response tokens: the longest sequence an engine must hold."""
         return self.prompt_length + self.response_length
+
+
+def sync_bucket_bytes(config, device=None) -> int:
+    """rollout.weight_sync_bucket_mb in bytes, with 0 resolved for `device` (512 MiB on CUDA, else 32)."""
+    mb = int(getattr(config, "weight_sync_bucket_mb", 0) or 0)
+    if mb <= 0:
+        mb = 512 if getattr(device, "type", str(device)) == "cuda" else 32
+    return mb << 20

@@ -435,7 +435,7 @@ class RemoteRollout:
         tmp = os.path.join(os.path.dirname(folder), ".tmp-" + os.path.basename(folder))
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        limit = self.config.weight_sync_bucket_mb << 20
+        limit = (self.config.weight_sync_bucket_mb or 512) << 20  # file shards: 0 is 512 MiB
         shard, size, count = {}, 0, 0
 
         def flush():

@@ -186,11 +186,12 @@ class ActorRolloutRefWorker(Worker):
     def _sync_weights(self) -> None:
         """Stream the actor's full parameters into the engine, one bucket at a time (with LoRA: the base
         once, then the adapters only; see tinyzero.models.lora.sync_adapters)."""
+        from tinyzero.rollout.config import sync_bucket_bytes
         from tinyzero.rollout.weight_sync import iter_full_params
 
         if self.actor is None or self._synced_version == self._weights_version:
             return
-        bucket = int(getattr(self.config.rollout, "weight_sync_bucket_mb", 256)) * 2**20
+        bucket = sync_bucket_bytes(self.config.rollout, self.device)
         fsdp = self.config.actor.fsdp_config
         with on_device(self.actor.model, fsdp, self.device):
             if self.config.model.lora_rank:
@@ -234,12 +235,13 @@ class ActorRolloutRefWorker(Worker):
         """Trainer pool (tinyzero.trainer.async_pipeline): gather the actor's full parameters bucket by
         bucket; the pool's first rank broadcasts them over the bridge group to the rollout pool.
         Returns the float64 checksum of what was sent (0.0 on the other ranks)."""
+        from tinyzero.rollout.config import sync_bucket_bytes
         from tinyzero.rollout.weight_bridge import bridge_group, send_params
         from tinyzero.rollout.weight_sync import iter_full_params
 
         if self.actor is None:
             raise ValueError(f"send_weights needs the actor role; this worker is {self.role!r}")
-        bucket = int(self.config.rollout.weight_sync_bucket_mb) * 2**20
+        bucket = sync_bucket_bytes(self.config.rollout, self.device)
         with on_device(self.actor.model, self.config.actor.fsdp_config, self.device):
             return send_params(iter_full_params(self.actor.model, bucket), bridge_group(bridge_ranks),
                                src=bridge_ranks[0], send=self.rank == 0, bucket_bytes=bucket)
