@@ -113,19 +113,25 @@ def test_packed_log_probs_values_and_gradients_match_unpacked(models, n):
 
 
 @pytest.mark.parametrize("mode", ["remove_padding", "shared_prefix"])
-def test_segment_attention_matches_the_dense_mask(models, mode):
+def test_segment_attention_matches_the_dense_mask(models, mode, monkeypatch):
     """prepare_attention switches SDPA models to packed_sdpa_attention: per-segment attention over
     gathered keys gives the dense-mask pass's log-probs, entropies, values and gradients (1e-5), and
     unpacked calls (no blocks) are HF's SDPA unchanged."""
     import copy
 
+    from tinyzero.workers import packing as packing_module
     from tinyzero.workers.forward import response_log_probs, response_values
     from tinyzero.workers.packing import PACKED_ATTENTION, prepare_attention
 
+    monkeypatch.setattr(packing_module, "BLOCKS_WORTH", float("inf"))  # the blocks however little they save
+    calls = []
+    blocks_attention = packing_module.packed_sdpa_attention
+    monkeypatch.setattr(packing_module, "packed_sdpa_attention",
+                        lambda *a, **k: calls.append(k.get("attention_blocks") is not None) or blocks_attention(*a, **k))
     lm, _, value = models
     seg_lm, seg_value = copy.deepcopy(lm), copy.deepcopy(value)
     for m in (seg_lm, seg_value):
-        prepare_attention(m, mode)
+        prepare_attention(m, mode)  # registers the patched function
         assert m.config._attn_implementation == PACKED_ATTENTION
     b = grouped_batch()
     b["attention_mask"][1, -b["responses"].shape[1]:] = 0  # an empty response too
@@ -147,6 +153,32 @@ def test_segment_attention_matches_the_dense_mask(models, mode):
         for k, g in out[name][3].items():
             torch.testing.assert_close(g, out["dense"][3][k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert not out["segments"][0][~mask].any()
+    assert any(calls) and not all(calls)  # blocks when packed, HF's SDPA unpacked
+    monkeypatch.undo()
+    packing_module.register_packed_attention()  # the real function back in HF's registry
+
+
+def test_packed_sdpa_keeps_the_dense_mask_where_blocks_save_little(models, monkeypatch):
+    import copy
+
+    from tinyzero.workers import packing
+
+    lm = copy.deepcopy(models[0])
+    packing.prepare_attention(lm, "shared_prefix")
+    b = grouped_batch()
+    packed = packing.pack(b["input_ids"], b["attention_mask"], b["position_ids"], b["responses"].shape[1],
+                          share_prefix=True)
+    rows, length = packed.segments.shape
+    share = sum(blk.mask.numel() for blk in packing.attention_blocks(packed.segments, packed.sees)) / (
+        rows * length * length)
+    for worth, blocks in ((share * 0.99, False), (share, True)):
+        monkeypatch.setattr(packing, "BLOCKS_WORTH", worth)
+        packed.blocks = None
+        mask = packing.model_mask(packed, lm, torch.float32)
+        assert (packed.blocks is not None) == blocks
+        assert mask.shape == (rows, 1, length, length)
+        if not blocks:
+            assert torch.equal(mask, packed.dense_mask())
 
 
 def test_attention_blocks_pair_each_response_with_its_prompt():

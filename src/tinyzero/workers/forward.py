@@ -24,13 +24,7 @@ import torch
 from torch import nn
 
 from tinyzero.workers.batching import trim_padding
-from tinyzero.workers.packing import (
-    DENSE_ROW_TOKENS,
-    attention_blocks,
-    model_mask,
-    pack,
-    uses_attention_blocks,
-)
+from tinyzero.workers.packing import DENSE_ROW_TOKENS, model_mask, pack
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -43,9 +37,9 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 def _attention_kwargs(model: nn.Module, packed) -> dict:
     """Extra backbone arguments of a packed forward: the segment blocks for packed SDPA."""
-    if packed is None or not uses_attention_blocks(model):
+    if packed is None or packed.blocks is None:
         return {}
-    return {"attention_blocks": attention_blocks(packed.segments, packed.sees)}
+    return {"attention_blocks": packed.blocks}
 
 
 def _token_log_probs(self, input_ids, attention_mask, position_ids, responses, temperature=1.0,
@@ -116,7 +110,9 @@ def attach_score_method(model: nn.Module) -> nn.Module:
 
 def _pack_batch(model: nn.Module, batch, packing: str):
     """(Packed, model-ready 4-D mask) of a micro-batch."""
-    dense = getattr(model.config, "_attn_implementation", "sdpa") != "flex_attention"
+    # An L x L mask bounds the row length (flex's BlockMask does not; packed SDPA may fall back to the mask).
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    dense = impl != "flex_attention"
     packed = pack(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                   batch["responses"].shape[1], share_prefix=packing == "shared_prefix",
                   max_unit_tokens=DENSE_ROW_TOKENS if dense else None)

@@ -37,7 +37,10 @@ segment's queries meet only the keys they may see (its prompt's tokens, then its
 into two small padded batches (`attention_blocks`: the segments that see a prompt, the ones that do
 not), so a row holding a 90-token prompt and four 50-token responses costs about 4 x 50 x 140 +
 90 x 90 scores instead of 290 x 290, forward and backward. Without the blocks (a call that does not
-pass them) it is HF's SDPA with the dense boolean mask. flash_attention_2/3 cannot take a custom
+pass them) it is HF's SDPA with the dense boolean mask, which `model_mask` also keeps where the blocks
+would hold more than BLOCKS_WORTH of the row's L x L scores: gathering and the smaller kernel calls
+cost about what they save below that (a tiny model at 4 samples of 48 tokens on a 90-token prompt,
+bench/packed_attention.py). flash_attention_2/3 cannot take a custom
 mask, so `prepare_attention` switches a packed model to SDPA with a warning.
 Tested: SDPA end to end on CPU (fp32), and the BlockMask's rule and a flex_attention call against
 the dense mask on CPU. Untested here: everything on GPU (the same code; on GPU set
@@ -60,6 +63,7 @@ logger = logging.getLogger(__name__)
 PACKED_ATTENTION = "tinyzero_packed_sdpa"
 _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention", "ulysses_sdpa", PACKED_ATTENTION)  # ulysses_sdpa: models.ulysses
 DENSE_ROW_TOKENS = 4096
+BLOCKS_WORTH = 0.5  # packed SDPA takes the segment blocks when they hold at most this share of the L x L scores
 
 
 def packing_mode(model_config) -> str:
@@ -86,8 +90,12 @@ def prepare_attention(model: nn.Module, mode: str) -> None:
 
 
 def uses_attention_blocks(model: nn.Module) -> bool:
-    """Whether the model's attention takes `attention_blocks` (packed_sdpa_attention)."""
-    return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
+    """Whether the model's attention takes `attention_blocks` (packed_sdpa_attention). Models with
+    sliding-window layers take the dense mask instead (the blocks carry no window)."""
+    config = model.config
+    sliding = any("sliding" in str(t) for t in (getattr(config, "layer_types", None) or ())) or bool(
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+    return getattr(config, "_attn_implementation", None) == PACKED_ATTENTION and not sliding
 
 
 @dataclass
@@ -156,7 +164,9 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     queries and keys, and positions in no segment (padding) get 0; without, HF's SDPA with the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_blocks is None or sliding_window is not None:
+    if attention_blocks is not None and sliding_window is not None:
+        raise ValueError("attention_blocks carry no sliding window; pack this model with its dense mask")
+    if attention_blocks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     b, heads, length, _ = query.shape
@@ -197,6 +207,7 @@ class Packed:
     sees: torch.Tensor  # (rows, L) the prompt segment a token may also attend to
     hidden_index: torch.Tensor  # (valid response tokens,) into the flattened (rows * L) positions
     valid: torch.Tensor  # (batch, R) bool, the response tokens that exist (row-major order of hidden_index)
+    blocks: list | None = None  # AttentionBlocks for packed_sdpa_attention (set by model_mask)
 
     def mask_mod(self):
         """The attention rule as a flex_attention mask_mod(b, h, q, kv) -> bool.
@@ -353,10 +364,17 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
 
 def model_mask(packed: Packed, model: nn.Module, dtype: torch.dtype):
     """The 4-D mask in the form the model's attention takes: BlockMask for flex_attention, additive
-    float for eager, bool for SDPA."""
+    float for eager, bool for SDPA; for packed_sdpa_attention the segment blocks (on `packed`)."""
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl == "flex_attention":
         return packed.block_mask()
+    if uses_attention_blocks(model):
+        blocks = attention_blocks(packed.segments, packed.sees)
+        rows, length = packed.segments.shape
+        if sum(b.mask.numel() for b in blocks) <= BLOCKS_WORTH * rows * length * length:
+            # The attention takes packed.blocks; the mask it is also handed is a free all-True view.
+            packed.blocks = blocks
+            return torch.ones((), dtype=torch.bool, device=packed.segments.device).expand(rows, 1, length, length)
     mask = packed.dense_mask()
     if impl == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
