@@ -35,13 +35,13 @@ blocks and never materialises L x L. SDPA models are switched to "tinyzero_packe
 (`packed_sdpa_attention`): it attends segment by segment instead of over the whole row. Each
 segment's queries meet only the keys they may see (its prompt's tokens, then its own), gathered
 into two small padded batches (`attention_blocks`: the segments that see a prompt, the ones that do
-not), so a row holding a 90-token prompt and four 50-token responses costs about 4 x 50 x 140 +
-90 x 90 scores instead of 290 x 290, forward and backward. Without the blocks (a call that does not
-pass them) it is HF's SDPA with the dense boolean mask, which `model_mask` also keeps where the blocks
-would hold more than BLOCKS_WORTH of the row's L x L scores: gathering and the smaller kernel calls
-cost about what they save below that (a tiny model at 4 samples of 48 tokens on a 90-token prompt,
-bench/packed_attention.py). flash_attention_2/3 cannot take a custom
-mask, so `prepare_attention` switches a packed model to SDPA with a warning.
+not). A row holding a 90-token prompt and sixteen 200-token responses then costs about
+16 x 200 x 290 + 90 x 90 scores instead of 3290 x 3290, forward and backward. Without the blocks (a
+call that does not pass them) it is HF's SDPA with the dense boolean mask. `model_mask` also keeps the
+dense mask where the blocks would hold more than BLOCKS_WORTH of the row's L x L scores: there the
+gathering and the smaller kernel calls cost about what they save (four 48-token samples on a
+90-token prompt, bench/packed_attention.py). Padding positions get 0 from the blocks. flash_attention_2/3
+cannot take a custom mask, so `prepare_attention` switches a packed model to SDPA with a warning.
 Tested: SDPA end to end on CPU (fp32), and the BlockMask's rule and a flex_attention call against
 the dense mask on CPU. Untested here: everything on GPU (the same code; on GPU set
 model.attn_implementation=flex_attention for block-sparse attention, as SDPA with a dense mask
