@@ -218,7 +218,5 @@ class RolloutConfig:
 
 def sync_bucket_bytes(config, device=None) -> int:
     """rollout.weight_sync_bucket_mb in bytes, with 0 resolved for `device` (512 MiB on CUDA, else 32)."""
-    mb = int(getattr(config, "weight_sync_bucket_mb", 0) or 0)
-    if mb <= 0:
-        mb = 512 if getattr(device, "type", str(device)) == "cuda" else 32
+    mb = config.weight_sync_bucket_mb or (512 if getattr(device, "type", str(device)) == "cuda" else 32)
     return mb << 20

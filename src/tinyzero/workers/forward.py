@@ -111,8 +111,7 @@ def attach_score_method(model: nn.Module) -> nn.Module:
 def _pack_batch(model: nn.Module, batch, packing: str):
     """(Packed, model-ready 4-D mask) of a micro-batch."""
     # An L x L mask bounds the row length (flex's BlockMask does not; packed SDPA may fall back to the mask).
-    impl = getattr(model.config, "_attn_implementation", "sdpa")
-    dense = impl != "flex_attention"
+    dense = getattr(model.config, "_attn_implementation", "sdpa") != "flex_attention"
     packed = pack(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                   batch["responses"].shape[1], share_prefix=packing == "shared_prefix",
                   max_unit_tokens=DENSE_ROW_TOKENS if dense else None)
