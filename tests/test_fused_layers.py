@@ -69,12 +69,18 @@ def test_rms_norm_matches_hf(dtype, tol):
     assert fused_bytes < ref_bytes
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_swiglu_mlp_matches_hf(dtype, tol):
+def test_swiglu_mlp_matches_hf(dtype, tol, bias):
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     torch.manual_seed(0)
-    ref = LlamaMLP(_llama_config()).to(dtype)
+    ref = LlamaMLP(_llama_config(mlp_bias=bias)).to(dtype)
+    if bias:
+        with torch.no_grad():
+            for p in ref.parameters():
+                if p.dim() == 1:
+                    p.normal_()
     fused = copy.deepcopy(ref)
     assert is_swiglu_mlp(ref) and apply_fused_layers(fused) == 1
     g = torch.Generator().manual_seed(1)
@@ -91,9 +97,34 @@ def test_swiglu_mlp_matches_hf(dtype, tol):
         err = ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
         assert err <= tol, (dtype, err)
     size = torch.finfo(dtype).bits // 8
-    # kept: x (for gate/up), gate and up, their product (for down_proj); HF also keeps silu(gate)
-    assert fused_bytes == 12 * (32 + 3 * 48) * size
-    assert ref_bytes - fused_bytes == 12 * 48 * size
+    # kept: x (for gate/up), gate and up; HF also keeps silu(gate) and the product (for down_proj)
+    assert fused_bytes == 12 * (32 + 2 * 48) * size
+    assert ref_bytes - fused_bytes == 2 * 12 * 48 * size
+
+
+def test_swiglu_mlp_keeps_the_product_for_a_down_proj_that_is_not_a_plain_linear():
+    """A down_proj of another class (a LoRA layer, say) is called as a module on the product, which it keeps."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    ref = LlamaMLP(_llama_config())
+    ref.down_proj = Scaled(48, 32, bias=False)
+    fused = copy.deepcopy(ref)
+    assert apply_fused_layers(fused) == 1
+    x = torch.randn(3, 4, 32, requires_grad=True)
+    ref_bytes, y_ref = _saved_bytes(ref, lambda: ref(x))
+    fused_bytes, y = _saved_bytes(fused, lambda: fused(x))
+    assert torch.equal(y, y_ref)
+    assert fused_bytes == 12 * (32 + 3 * 48) * 4 and ref_bytes - fused_bytes == 12 * 48 * 4
+    y.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    y_ref.sum().backward()
+    assert torch.allclose(grad, x.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -206,6 +206,43 @@ def test_attention_blocks_pair_each_response_with_its_prompt():
         assert torch.equal(own_seen, torch.arange(1, len(q) + 1))
 
 
+def test_packed_sdpa_keeps_grouped_kv_heads_on_cpu():
+    """With a mask on CPU, packed_sdpa_attention hands SDPA the kv heads as they are: the same output and
+    gradients as HF's SDPA (which repeats them, float64 reference), and backward keeps no repeated k or v."""
+    import types
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tinyzero.workers.packing import packed_sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, length, d = 2, 6, 2, 9, 8
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    mask = torch.ones(length, length, dtype=torch.bool).tril().expand(b, 1, length, length).clone()
+    mask[1, :, :, :3] = False  # row 1 starts with padding ...
+    mask[1, :, :3, 0] = True  # ... whose queries see one key
+    qkv = [torch.randn(b, h, length, d, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)]
+    gy = torch.randn(b, length, heads, d, generator=g, dtype=torch.float64)
+    results = []
+    for fn, dtype in ((sdpa_attention_forward, torch.float64), (packed_sdpa_attention, torch.float32)):
+        inputs = [t.to(dtype).clone().requires_grad_() for t in qkv]
+        shapes: list[tuple] = []
+
+        def keep(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out, _ = fn(module, *inputs, mask, scaling=d ** -0.5)
+        out.backward(gy.to(dtype))
+        results.append((out, *[t.grad for t in inputs], shapes))
+    for ref, got in zip(results[0][:4], results[1][:4]):
+        assert (got.double() - ref).abs().max().item() < 1e-5
+    full, grouped = (b, heads, length, d), (b, kv_heads, length, d)
+    assert results[0][4].count(full) == 4 and results[0][4].count(grouped) == 0  # q, repeated k and v, out
+    assert results[1][4].count(full) == 2 and results[1][4].count(grouped) == 2  # q, out; k and v as they are
+
+
 def test_long_groups_cut_for_dense_masks_stay_exact(models, monkeypatch):
     from tinyzero.workers.forward import response_log_probs
     from tinyzero.workers.packing import pack

@@ -28,7 +28,7 @@ class ModelConfig:
     """Recompute decoder-layer activations in backward (activation checkpointing) to save memory."""
     use_fused_layers: bool = False
     """RMSNorms and SwiGLU MLPs that keep less for backward (tinyzero.models.fused_layers): the same forward,
-    about a fifth less activation memory in training, for a few elementwise ops in backward. Not with
+    about a third less activation memory in training, for a few elementwise ops in backward. Not with
     tensor parallelism."""
     override_config: dict = field(default_factory=dict)
     """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""

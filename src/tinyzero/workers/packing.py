@@ -161,16 +161,25 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           sliding_window: int | None = None, attention_blocks=None, **kwargs):
     """HF attention interface, (batch, heads, L, d) q/k/v in and (batch, L, heads, d) out: with
     `attention_blocks` (a list of AttentionBlock) each block is one SDPA call over its segments' gathered
-    queries and keys, and positions in no segment (padding) get 0; without, HF's SDPA with the mask."""
+    queries and keys, and positions in no segment (padding) get 0; without, SDPA with the mask.
+
+    Grouped-query models on CPU hand SDPA their kv heads as they are (`enable_gqa`: its CPU kernel takes
+    them with a mask), so backward keeps k and v at kv-head width; elsewhere they are repeated, as HF's
+    SDPA does with a mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_blocks is not None and sliding_window is not None:
         raise ValueError("attention_blocks carry no sliding window; pack this model with its dense mask")
-    if attention_blocks is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
     b, heads, length, _ = query.shape
     kv_heads = key.shape[1]
+    gqa = kv_heads != heads and query.device.type == "cpu"
+    if attention_blocks is None:
+        if not gqa or attention_mask is None or kwargs.get("position_bias") is not None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, sliding_window=sliding_window, **kwargs)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     q = query.transpose(1, 2).reshape(b * length, heads, query.shape[-1])
     k = key.transpose(1, 2).reshape(b * length, kv_heads, key.shape[-1])
     v = value.transpose(1, 2).reshape(b * length, kv_heads, value.shape[-1])
@@ -178,9 +187,10 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     for block in attention_blocks:
         qs = q[block.q_index].transpose(1, 2)  # (S, heads, Lq, d)
         ks, vs = k[block.kv_index].transpose(1, 2), v[block.kv_index].transpose(1, 2)  # (S, kv_heads, Lk, d)
-        if kv_heads != heads:
+        if kv_heads != heads and not gqa:
             ks, vs = ks.repeat_interleave(heads // kv_heads, 1), vs.repeat_interleave(heads // kv_heads, 1)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=block.mask, dropout_p=dropout, scale=scaling)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=block.mask, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=gqa)
         outs.append(out.transpose(1, 2)[block.q_valid])  # (valid slots, heads, d)
         index.append(block.out_index)
     out = query.new_zeros(b * length, heads, value.shape[-1]).index_copy(0, torch.cat(index), torch.cat(outs))
