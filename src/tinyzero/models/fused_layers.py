@@ -66,11 +66,17 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_up = grad * silu
-        grad_gate = grad * up * (sig * (1 + gate * (1 - sig)))  # d silu / d gate = sig + gate sig (1 - sig)
+        grad_gate, grad_up, _ = _swiglu_backward(grad, gate, up)
         return grad_gate, grad_up
+
+
+def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """Gradients of silu(gate) * up for the product's gradient `grad`: (grad_gate, grad_up, silu(gate))."""
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    grad_up = grad * silu
+    grad_gate = grad * up * (sig * (1 + gate * (1 - sig)))  # d silu / d gate = sig + gate sig (1 - sig)
+    return grad_gate, grad_up, silu
 
 
 class SwiGLUDownFunction(torch.autograd.Function):
@@ -86,17 +92,14 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up, weight = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_h = grad.matmul(weight)
+        grad_gate, grad_up, silu = _swiglu_backward(grad.matmul(weight), gate, up)
+        flat = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[2]:
             h = silu * up
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(h.reshape(-1, h.shape[-1]))
+            grad_weight = flat.t().matmul(h.reshape(-1, h.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-        grad_up = grad_h * silu
-        grad_gate = grad_h * up * (sig * (1 + gate * (1 - sig)))
+            grad_bias = flat.sum(0)
         return grad_gate, grad_up, grad_weight, grad_bias
 
 
