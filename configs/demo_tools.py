@@ -59,6 +59,7 @@ def demo_cpu_tools_sft() -> Config:
     d.max_response_length = base.data.max_response_length
     d.max_length = 160
     cfg.actor_rollout_ref.model.path = f"{DEMO_TOOLS_DIR}/tiny_model"
+    cfg.actor_rollout_ref.model.use_remove_padding = True  # direct guesses are a third of a call's length
     optim = cfg.actor_rollout_ref.actor.optim
     optim.warmup_style = "cosine"  # the copying of operands and results is learned late (a few hundred steps)
     optim.lr_warmup_steps = 50

@@ -28,6 +28,7 @@ def sft() -> Config:
     arr = cfg.actor_rollout_ref
     arr.model.path = "/models/Qwen2.5-0.5B-Instruct"
     arr.model.dtype = "auto"
+    arr.model.use_remove_padding = True  # packed rows: no padding computed (the log-probs of DPO too)
     arr.actor.optim.lr = 1e-5
     arr.actor.optim.warmup_style = "cosine"
     arr.actor.optim.lr_warmup_steps_ratio = 0.1

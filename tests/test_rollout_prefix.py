@@ -174,10 +174,10 @@ class _Counting:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def __call__(self, ids, pos, valid, start):
+    def __call__(self, ids, pos, valid, start, **kwargs):
         if start == 0:
             self.seen.append(ids.numel())
-        return self.inner(ids, pos, valid, start)
+        return self.inner(ids, pos, valid, start, **kwargs)
 
 
 @pytest.mark.slow
@@ -216,3 +216,46 @@ def test_real_model_shared_greedy_equals_hf_generate(smollm2_path):
         sampled[mode] = build_rollout(cfg, smollm2_path, device="cpu", load_weights=True).generate_sequences(batch).batch
     for key in ("responses", "rollout_log_probs"):
         assert torch.equal(sampled["copy"][key], sampled["off"][key]), key
+
+
+class _ActiveRows:
+    """A decoder wrapper that records how many rows every decode step computed."""
+
+    def __init__(self, inner, rows: list, compact: bool):
+        self.inner, self.rows, self.takes_active_rows = inner, rows, compact
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, ids, pos, valid, start, active=None):
+        if ids.shape[1] == 1:
+            self.rows.append(ids.shape[0] if active is None else len(active))
+        return self.inner(ids, pos, valid, start) if active is None else self.inner(ids, pos, valid, start, active=active)
+
+
+@pytest.mark.parametrize("mode", ["shared", "copy", "off"])
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_stopped_rows_leave_the_batch_with_the_same_samples(mode, do_sample):
+    """Rows that stopped are dropped from the decode steps' matmuls (fused decoder): the same tokens and
+    masks as decoding every row to the end, log-probs within fp32 rounding (matmuls of fewer rows)."""
+    model = _random_model(std=0.15)
+    n, R = 3, 24
+    meta = {"eos_token_id": 1, "stop_token_ids": list(range(2, 12)), "seed": 3}  # ~1 in 9 tokens stops a row
+    batch = _prompt_batch(4, 7, model.config.vocab_size, meta=meta)
+    outs, rows = {}, {}
+    for compact in (True, False):
+        engine = _engine(model, "fused", native_prefix_sharing=mode, response_length=R, n=n, seed=5,
+                         do_sample=do_sample)
+        rows[compact] = []
+        engine.decoder = _ActiveRows(engine.decoder, rows[compact], compact)
+        outs[compact] = engine.generate_sequences(batch).batch
+    got, full = outs[True], outs[False]
+    lengths = got["response_mask"].sum(-1)
+    assert len(set(lengths.tolist())) > 3 and int(lengths.min()) < R // 2  # rows stop at varied steps
+    assert torch.equal(got["responses"], full["responses"]) and torch.equal(got["response_mask"], full["response_mask"])
+    diff = (got["rollout_log_probs"] - full["rollout_log_probs"]).abs().max()
+    assert diff < 1e-5, float(diff)
+    assert set(rows[False]) == {4 * n} and len(rows[True]) == len(rows[False])
+    # Rows leave at the checks (every 4 steps on CPU): what is computed follows the tokens still to come.
+    assert sum(rows[True]) < 0.8 * sum(rows[False]), (rows[True], lengths.tolist())
+    assert sum(rows[True]) >= int(lengths.sum()) - 4 * n  # never fewer than the tokens sampled after step 0

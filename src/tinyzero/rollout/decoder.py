@@ -93,6 +93,10 @@ def fused_supported(model: nn.Module) -> str | None:
     return None
 
 
+COMPACT_MIN_HIDDEN = 256
+"""Hidden size from which the fused decoder computes only the rows still generating."""
+
+
 class FusedDecoder:
     """Static-KV-cache forward over the weights of a Llama-family HF model (see module docstring)."""
 
@@ -109,6 +113,10 @@ class FusedDecoder:
         self.lm_head = model.lm_head
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
+        # A decode step may compute a subset of the rows (generate drops the stopped ones). That adds a few
+        # gathers per layer, which only pay at a real model's width: at hidden 64 a step is per-op overhead
+        # and dropping rows made generation slower (+7%, rows stopping after 32 of 96 tokens on average).
+        self.takes_active_rows = cfg.hidden_size >= COMPACT_MIN_HIDDEN
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.caches: list[KVCache] = []  # per layer: every row's [prompt, response], or (shared) each prompt once
@@ -285,38 +293,41 @@ class FusedDecoder:
             qk = qkv[:, :H + KV]
         return apply_rope(qk, cos, sin), qkv  # q and k heads rotated at once
 
-    def _attention_decode(self, f: dict, x: torch.Tensor, cos, sin, bias, kv: tuple[torch.Tensor, torch.Tensor]):
+    def _attention_decode(self, f: dict, x: torch.Tensor, cos, sin, bias, kv: tuple[torch.Tensor, torch.Tensor],
+                          active: torch.Tensor | None = None):
         """One new token per sequence, everything 2-D or 3-D: f this layer's `_fuse` entry; x (B, hidden);
         cos, sin (B, 1, D); bias (B * kv_heads, 1, S) with S = slot + 1; kv this layer's cache tensors
-        (KVCache layout). Batched matmuls (decode_attention) beat sdpa's overhead here."""
+        (KVCache layout). Batched matmuls (decode_attention) beat sdpa's overhead here. With `active`
+        (see decode_step) x, cos, sin and the result hold the active rows only."""
         H, KV = self.num_heads, self.num_kv_heads
         slot = bias.shape[-1] - 1  # a shape, so a compiled step sees it as a symbolic size
-        qk, qkv = self._qkv_decode(f, x, cos, sin)
+        qk, qkv = _all_rows(self._qkv_decode(f, x, cos, sin), active, kv[0].shape[0])
         k_cache, v_cache = kv  # KVCache.update for one slot, inlined (they are graph inputs when compiled)
         k_cache.select(3, slot).copy_(qk[:, H:])  # select+copy_: a symbolic slot is not specialized
         v_cache.select(2, slot).copy_(qkv[:, H + KV:])
         k_t, v_all = k_cache[..., : slot + 1], v_cache[:, :, : slot + 1]
-        return mm(decode_attention(qk[:, :H], k_t, v_all, bias, f["scale"]), f["o_wt"], f["o_proj"])
+        out = decode_attention(qk[:, :H], k_t, v_all, bias, f["scale"])
+        return mm(out if active is None else out[active], f["o_wt"], f["o_proj"])
 
     def _attention_decode_shared(self, f: dict, x: torch.Tensor, cos, sin, bias, slots: torch.Tensor,
-                                 kv: tuple[torch.Tensor, torch.Tensor], group_kv: tuple[torch.Tensor, torch.Tensor]):
+                                 kv: tuple[torch.Tensor, torch.Tensor], group_kv: tuple[torch.Tensor, torch.Tensor],
+                                 active: torch.Tensor | None = None):
         """`_attention_decode` with prefix sharing: bias (Bp * kv_heads, 1, P) over the prompt slots; kv this
         layer's prompt cache (KVCache layout, one entry per prompt), group_kv its response cache
         (GroupKVCache layout). The step writes response slot t = len(slots) - P - 1."""
-        B = x.shape[0]
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         P = bias.shape[-1]
         t = slots.shape[0] - P - 1  # shapes, so a compiled step sees them as symbolic sizes
-        qk, qkv = self._qkv_decode(f, x, cos, sin)
         k_resp, v_resp = group_kv
-        Bp, g = k_resp.shape[0], B // k_resp.shape[0]
+        Bp, g = k_resp.shape[0], k_resp.shape[2]
+        qk, qkv = _all_rows(self._qkv_decode(f, x, cos, sin), active, Bp * g)
         # Row i*g + j -> [i, :, j]: (B, KV, D) viewed (Bp, g, KV, D), kv heads moved in front of the rows.
         k_resp.select(4, t).copy_(qk[:, H:].view(Bp, g, KV, D).transpose(1, 2))
         v_resp.select(3, t).copy_(qkv[:, H + KV:].view(Bp, g, KV, D).transpose(1, 2))
         k_prompt, v_prompt = kv
         out = shared_decode_attention(qk[:, :H], k_prompt[..., :P], v_prompt[:, :, :P], k_resp[..., : t + 1],
                                       v_resp[:, :, :, : t + 1], bias, f["scale"])
-        return mm(out, f["o_wt"], f["o_proj"])
+        return mm(out if active is None else out[active], f["o_wt"], f["o_proj"])
 
     def _mlp(self, layer_idx: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         f = self.fused[layer_idx]
@@ -331,27 +342,34 @@ class FusedDecoder:
 
     def decode_step(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
                     kv: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor | None = None,
-                    group_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                    group_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    active: torch.Tensor | None = None) -> torch.Tensor:
         """The whole decode step as one function (what `compile=True` hands to torch.compile):
         token (B,), cos / sin (B, 1, D), bias (B * kv_heads, 1, slot + 1), kv the (k_cache, v_cache)
         tensors of every layer -> logits (B, V) fp32; writes this step's keys and values at `slot`.
         With prefix sharing (group_kv given): bias (Bp * kv_heads, 1, P), kv the prompt caches, group_kv
         the response caches, slots a tensor of length P + t + 1 for response slot t.
+        active: None, or the (A,) ascending indices of the rows still generating; then only those rows
+        go through the projections, the MLPs and lm_head (logits (A, V)), while attention runs on every
+        row's cache (the others get zero keys and values at this slot: rows that stopped are not read again).
         The residual stream x is a fresh tensor (the embedding's output), so it is added to in place."""
-        x = F.embedding(token, self.embed.weight)  # (B, hidden)
+        if active is not None:
+            token, cos, sin = token[active], cos[active], sin[active]
+        x = F.embedding(token, self.embed.weight)  # (B or A, hidden)
         for i, (f, layer_kv) in enumerate(zip(self.fused, kv)):
             h = f["input_norm"](x)
             if group_kv is None:
-                x.add_(self._attention_decode(f, h, cos, sin, bias, layer_kv))
+                x.add_(self._attention_decode(f, h, cos, sin, bias, layer_kv, active))
             else:
-                x.add_(self._attention_decode_shared(f, h, cos, sin, bias, slots, layer_kv, group_kv[i]))
+                x.add_(self._attention_decode_shared(f, h, cos, sin, bias, slots, layer_kv, group_kv[i], active))
             x.add_(self._mlp_decode(f, f["post_norm"](x)))
         return mm(self.final_norm(x), self.lm_head_wt, self.lm_head).float()
 
-    def _run_decode(self, token, cos, sin, bias, slots: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_decode(self, token, cos, sin, bias, slots: torch.Tensor | None = None,
+                    active: torch.Tensor | None = None) -> torch.Tensor:
         """decode_step, compiled when asked; a compile failure warns once and the step runs eagerly
         from then on (the failed call is redone eagerly: it rewrites the same cache slot). slots: the
-        prefix-sharing step's slot marker (see decode_step), None without sharing."""
+        prefix-sharing step's slot marker (see decode_step), None without sharing; active: see decode_step."""
         kv = [(c.k_cache, c.v_cache) for c in self.caches]
         args: tuple = (token, cos, sin, bias, kv)
         if slots is None:
@@ -362,12 +380,13 @@ class FusedDecoder:
             if t >= self.group_caches[0].max_len:
                 raise ValueError(f"KV cache overflow: writing response slot {t} of {self.group_caches[0].max_len}")
             args += (slots, [(c.k_cache, c.v_cache) for c in self.group_caches])
+        args += (None, None, active) if slots is None else (active,)
         if self._compiled is None:
             return self.decode_step(*args)
         if token.shape[0] > 1:  # batch and cache length symbolic: one graph for every batch and step
             for x in (token, cos, sin):
                 torch._dynamo.mark_dynamic(x, 0)
-        for x, dim in ((bias, 0), (bias, 2), (slots, 0)):
+        for x, dim in ((bias, 0), (bias, 2), (slots, 0), (active, 0)):
             if x is not None and x.shape[dim] > 1:
                 torch._dynamo.mark_dynamic(x, dim)
         try:
@@ -381,21 +400,23 @@ class FusedDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
-                 start: int) -> torch.Tensor:
+                 start: int, active: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position; a prefill with
-        group_size > 1 returns (B * group_size, V), the logits of every row."""
+        group_size > 1 returns (B * group_size, V), the logits of every row. A decode step (T = 1) given
+        `active` (A,) row indices computes those rows only and returns (A, V) (see decode_step)."""
         cos, sin = self._rope(position_ids)  # (B, T, D) each
         if input_ids.shape[1] == 1 and self.shared_kv:  # decode against a shared prompt block
             if self.key_bias is None:
                 self.begin(key_valid)
-            return self._run_decode(input_ids.view(-1), cos, sin, self.key_bias, self.slot_ids[: key_valid.shape[1]])
+            return self._run_decode(input_ids.view(-1), cos, sin, self.key_bias, self.slot_ids[: key_valid.shape[1]],
+                                    active)
         if input_ids.shape[1] == 1:  # decode: (B, hidden) activations, no per-op reshapes
             kb = self.key_bias
             if kb is None or kb.shape[0] != key_valid.shape[0] * self.num_kv_heads or kb.shape[2] < key_valid.shape[1]:
                 self.begin(key_valid)
                 kb = self.key_bias
             bias = kb[..., : key_valid.shape[1]]  # (B * kv_heads, 1, S)
-            return self._run_decode(input_ids.view(-1), cos, sin, bias)
+            return self._run_decode(input_ids.view(-1), cos, sin, bias, None, active)
         x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
         mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):
@@ -405,6 +426,14 @@ class FusedDecoder:
         if self.group_size > 1:  # one row per sample: lm_head then runs on the shape it has without sharing
             h = h.repeat_interleave(self.group_size, dim=0)  # (small-M matmuls round differently per M)
         return linear(self.lm_head, rms_norm(self.norm, h)).float()
+
+
+def _all_rows(tensors: tuple[torch.Tensor, ...], active: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, ...]:
+    """The active rows' tensors (A, ...) placed at their rows of zero tensors (rows, ...); as they are
+    without `active`."""
+    if active is None:
+        return tensors
+    return tuple(t.new_zeros((rows, *t.shape[1:])).index_copy_(0, active, t) for t in tensors)
 
 
 class HFDecoder:

@@ -3,7 +3,10 @@
 All sequences of a batch advance together over a static cache. The loop only samples and
 stores tokens -- no Python per sequence -- and leaves early once every row holds a stop
 (checked every `sync_every` steps to bound host syncs); `finish_responses` then cuts each row
-after its first stop (kept; later slots get the pad id and response_mask 0). A stop is a stop
+after its first stop (kept; later slots get the pad id and response_mask 0). With a decoder that
+`takes_active_rows` (the fused one), rows found stopped at a check leave the batch's matmuls: the
+later steps compute the rows still generating only (their samples are the same: each row keeps
+its own uniforms), so a batch whose lengths vary costs about its tokens, not rows x longest. A stop is a stop
 token or the last token of a stop sequence (params.stop_sequences, e.g. a tool call's closing
 tag spelled in several tokens) sampled whole within the response (`stop_hits`).
 
@@ -34,10 +37,12 @@ def prefill(decoder: Decoder, prompt_ids: torch.Tensor, prompt_pos: torch.Tensor
 
 
 def decode_one_token(decoder: Decoder, token: torch.Tensor, pos: torch.Tensor, key_valid: torch.Tensor,
-                     slot: int) -> torch.Tensor:
+                     slot: int, active: torch.Tensor | None = None) -> torch.Tensor:
     """Feed one token per sequence (B,) at position pos (B, 1) and cache slot `slot`; logits (B, V)
-    for the next token."""
-    return decoder(token[:, None], pos, key_valid[:, : slot + 1], slot)
+    for the next token, or (A, V) for the rows `active` (A,) only (a decoder with `takes_active_rows`)."""
+    if active is None:
+        return decoder(token[:, None], pos, key_valid[:, : slot + 1], slot)
+    return decoder(token[:, None], pos, key_valid[:, : slot + 1], slot, active=active)
 
 
 @torch.inference_mode()
@@ -71,6 +76,8 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     logp_steps: list[torch.Tensor] = []
     stopped = torch.zeros(B, dtype=torch.bool, device=device)  # rows holding a stop token (checked so far)
     checked = 0  # steps folded into `stopped`
+    compact = bool(getattr(decoder, "takes_active_rows", False))
+    active = None  # (A,) the rows still computed, once some have stopped (None: every row)
 
     # Every step's uniforms at once (R * B numbers): one generator call per batch, not one per step.
     if params.greedy:
@@ -83,7 +90,11 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     steps = R
     for t in range(R):
         report_progress("generate", token=t + 1, of=R)
-        tok, logp = sample_from_logits(logits, params, generator, None if uniforms is None else uniforms[t])
+        step_uniforms = None if uniforms is None else uniforms[t] if active is None else uniforms[t, active]
+        tok, logp = sample_from_logits(logits, params, generator, step_uniforms)
+        if active is not None:  # back to every row: the stopped ones get pad (cut by finish_responses)
+            tok = torch.full((B,), params.pad_token_id, dtype=tok.dtype, device=device).index_copy_(0, active, tok)
+            logp = torch.zeros(B, dtype=logp.dtype, device=device).index_copy_(0, active, logp)
         tok_steps.append(tok)
         logp_steps.append(logp)
         # Rows past their stop token keep decoding (static batch); they are masked out below.
@@ -96,7 +107,9 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             if bool(stopped.all()):
                 steps = t + 1
                 break
-        logits = decode_one_token(decoder, tok, step_pos[:, t:t + 1], key_valid, P + t)
+            if compact and bool(stopped.any()):
+                active = (~stopped).nonzero().squeeze(1)
+        logits = decode_one_token(decoder, tok, step_pos[:, t:t + 1], key_valid, P + t, active)
     tokens = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
     tokens[:, :steps] = torch.stack(tok_steps, dim=1)

@@ -108,7 +108,7 @@ def attach_score_method(model: nn.Module) -> nn.Module:
     return model
 
 
-def _pack_batch(model: nn.Module, batch, packing: str):
+def pack_batch(model: nn.Module, batch, packing: str):
     """(Packed, model-ready 4-D mask) of a micro-batch."""
     # An L x L mask bounds the row length (flex's BlockMask does not; packed SDPA may fall back to the mask).
     dense = getattr(model.config, "_attn_implementation", "sdpa") != "flex_attention"
@@ -128,7 +128,7 @@ def response_log_probs(model: nn.Module, batch, temperature: float, return_entro
     """
     responses = batch["responses"]
     if packing != "none":
-        packed, mask = _pack_batch(model, batch, packing)
+        packed, mask = pack_batch(model, batch, packing)
         out = model.token_log_probs(packed.input_ids, mask, packed.position_ids, responses, temperature,
                                     return_entropy, packed)
         return out if return_entropy else (out, None)
@@ -158,7 +158,7 @@ def response_values(model: nn.Module, batch, packing: str = "none") -> torch.Ten
     """Value predictions (batch, R) fp32 of a token-level scalar-head model at response positions."""
     responses = batch["responses"]
     if packing != "none":
-        packed, mask = _pack_batch(model, batch, packing)
+        packed, mask = pack_batch(model, batch, packing)
         logits = _head_outputs(model, packed.input_ids, mask, packed.position_ids, packed)  # (rows, L, 1)
         return packed.scatter(logits.reshape(-1).index_select(0, packed.hidden_index).float())
     r = responses.shape[1]

@@ -21,19 +21,34 @@ from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
 from tinyzero.workers.common import load_role_model, reshard
+from tinyzero.workers.forward import attach_log_prob_method, pack_batch, response_log_probs
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
+from tinyzero.workers.packing import packing_mode, prepare_attention
 from tinyzero.workers.scaling import all_reduce_sum
 from tinyzero.workers.update import optimizer_step
 
 
-def sft_loss_sums(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(summed NLL over response tokens, {"tokens": count}) for one micro-batch."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits[:, :-1].float()  # (b, T-1, V)
-    labels = batch["input_ids"][:, 1:]  # (b, T-1)
-    mask = batch["loss_mask"][:, 1:].float()  # (b, T-1): predict token t+1 where it is a response token
-    nll = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (b, T-1)
-    return (nll * mask).sum(), {"count": mask.sum()}
+def sft_loss_sums(model, batch: dict, packing: str = "none") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(summed NLL over the target tokens, {"count": targets}) for one micro-batch.
+
+    Token t + 1 is a target where loss_mask[t + 1] is 1; its log-prob comes from the hidden state at t
+    through the fused lm_head kernel (tinyzero.workers.forward: no (tokens, vocab) logits are built).
+    The rows are right-padded, so they go to `response_log_probs` as one-token prompts followed by
+    (T - 1)-token responses. Packed (`packing` other than "none"), every row is one segment of packed
+    rows and only the targets' hidden states meet the lm_head."""
+    ids = batch["input_ids"]
+    targets = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()  # (b, T-1)
+    rows = {"input_ids": ids, "attention_mask": batch["attention_mask"], "position_ids": batch["position_ids"],
+            "responses": ids[:, 1:]}
+    if packing == "none":
+        log_probs, _ = response_log_probs(model, rows, 1.0, False)
+    else:
+        packed, mask = pack_batch(model, rows, "remove_padding")
+        packed.hidden_index = packed.hidden_index[targets[packed.valid]]
+        packed.valid = packed.valid & targets
+        log_probs = model.token_log_probs(packed.input_ids, mask, packed.position_ids, rows["responses"], 1.0,
+                                          False, packed)
+    return -(log_probs * targets).sum(), {"count": targets.sum()}
 
 
 def rm_scores(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -45,7 +60,7 @@ def rm_scores(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -
     return out.reshape(-1).float()
 
 
-def rm_loss_sums(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def rm_loss_sums(model, batch: dict, packing: str = "none") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(summed -log sigmoid(r_chosen - r_rejected), {"count": pairs, "correct": pairs ranked right})."""
     chosen = rm_scores(model, batch["chosen_input_ids"], batch["chosen_attention_mask"],
                        batch["chosen_position_ids"])
@@ -57,7 +72,7 @@ def rm_loss_sums(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tens
 
 
 def sft_count(batch: dict) -> float:
-    return float(batch["loss_mask"][:, 1:].sum())
+    return float((batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()).sum())
 
 
 def rm_count(batch: dict) -> float:
@@ -80,6 +95,7 @@ class SupervisedWorker(Worker):
         self.loss_fn, self.count_fn, self.kind = LOSSES[mode]
         self.model = self.optimizer = self.lr_scheduler = self.tokenizer = None
         self.num_updates = 0
+        self.packing = "none"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -94,6 +110,11 @@ class SupervisedWorker(Worker):
                              "actor_rollout_ref.actor.tensor_model_parallel_size and ulysses_sequence_parallel_size "
                              "to 1 (tensor and sequence parallelism apply to the PPO roles)")
         self.model = load_role_model(self, cfg.model, fsdp, dims, self.kind)
+        if self.mode == "sft":
+            # Packing applies to SFT's log-probs; the reward model's scores stay padded.
+            self.packing = "remove_padding" if packing_mode(cfg.model) != "none" else "none"
+            prepare_attention(self.model, self.packing)
+            attach_log_prob_method(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim)
 
@@ -110,7 +131,7 @@ class SupervisedWorker(Worker):
         sums = torch.zeros(3, dtype=torch.float64)  # loss, count, correct
         for b in batches:
             with torch.set_grad_enabled(train):
-                loss_sum, stats = self.loss_fn(self.model, b)
+                loss_sum, stats = self.loss_fn(self.model, b, self.packing)
             if train:
                 (loss_sum * (self.world_size / max(total, 1.0))).backward()
             sums += torch.tensor([loss_sum.item(), float(stats["count"]), float(stats.get("correct", 0.0))],
