@@ -21,13 +21,14 @@ def _batch(seed: int = 0, batch: int = 4, seq: int = 10):
 
 
 CASES = {
-    # name: (fsdp_size, meta init + rank-0 broadcast, CPUOffloadPolicy, gradient checkpointing,
-    #        wrap_policy.min_num_params)
-    "shard": (-1, False, False, True, 0),
+    # name: (fsdp_size, meta init + rank-0 broadcast, CPUOffloadPolicy, gradient checkpointing (0: off,
+    #        n: every n-th layer), wrap_policy.min_num_params)
+    "shard": (-1, False, False, 1, 0),
     "meta_init": (-1, True, False, False, 0),
-    "hybrid": (1, True, False, True, 0),  # 2-D mesh (replicate=2, shard=1): grads all-reduced across replicas
+    "hybrid": (1, True, False, 1, 0),  # 2-D mesh (replicate=2, shard=1): grads all-reduced across replicas
     "offload_policy": (-1, True, True, False, 0),
     "one_unit": (-1, True, False, False, 10**9),  # every layer left in the root unit
+    "selective": (-1, True, False, 2, 0),  # layer 0 recomputed, layer 1 keeps its activations
 }
 
 
@@ -57,12 +58,12 @@ def _load_corrupt(path: str) -> str:
 
 
 def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, offload_policy: bool,
-                              checkpointing: bool, min_num_params: int):
+                              checkpointing: int, min_num_params: int):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     from tinyzero.models.config import FSDPConfig, ModelConfig
-    from tinyzero.models.fsdp import load_sharded_model, make_fsdp_mesh, parallelize
+    from tinyzero.models.fsdp import decoder_layers, load_sharded_model, make_fsdp_mesh, parallelize
     from tinyzero.models.loading import load_causal_lm
     from tinyzero.workers.update import clip_grad_norm
 
@@ -70,11 +71,12 @@ def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, of
     fsdp_cfg = FSDPConfig(fsdp_size=fsdp_size, offload_policy=offload_policy,
                           wrap_policy={"min_num_params": min_num_params})
     mesh = make_fsdp_mesh(fsdp_cfg, "cpu")
-    model_cfg = ModelConfig(path=path, enable_gradient_checkpointing=checkpointing)
+    model_cfg = ModelConfig(path=path, enable_gradient_checkpointing=bool(checkpointing),
+                            gradient_checkpointing_every_n_layers=max(1, int(checkpointing)))
     if use_meta_init:
         model = load_sharded_model(model_cfg, fsdp_cfg, mesh)
     else:
-        model = parallelize(load_causal_lm(path), mesh, fsdp_cfg, enable_gradient_checkpointing=checkpointing)
+        model = parallelize(load_causal_lm(path), mesh, fsdp_cfg, enable_gradient_checkpointing=bool(checkpointing))
     assert mesh.ndim == (2 if fsdp_size == 1 else 1)
     model.train()
     ids, mask, pos = _batch()
@@ -92,7 +94,8 @@ def _sharded_forward_backward(path: str, fsdp_size: int, use_meta_init: bool, of
     # Tensors cross the process boundary as numpy (torch tensors would go through shared memory
     # that disappears when the rank exits).
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    return torch.cat(full_logits).numpy(), _np(params), _np(grads), float(norm), units
+    recomputed = [bool(layer.gradient_checkpointing) for layer in decoder_layers(model)]
+    return torch.cat(full_logits).numpy(), _np(params), _np(grads), float(norm), units, recomputed
 
 
 def _np(d):
@@ -115,7 +118,7 @@ def _reference(path: str):
 
 def _check_against_reference(results, ref):
     ref_logits, ref_params, ref_grads, ref_norm = ref
-    for logits, params, grads, norm, _ in results:
+    for logits, params, grads, norm, *_ in results:
         logits = torch.from_numpy(logits)
         params = {k: torch.from_numpy(v) for k, v in params.items()}
         grads = {k: torch.from_numpy(v) for k, v in grads.items()}
@@ -152,8 +155,8 @@ def reference(tiny_model_dir):
 def test_fsdp_two_ranks_match_unsharded(two_rank_results, reference, case):
     """shard: parallelize a loaded model; meta_init: rank 0 reads the safetensors, the others build on meta
     and receive every tensor (and the rotary buffers) by broadcast; hybrid: 2-D mesh; offload_policy: FSDP2's
-    CPUOffloadPolicy; one_unit: no layer is a unit of its own. Logits, parameters, gradients and the grad norm
-    all equal the unsharded model's."""
+    CPUOffloadPolicy; one_unit: no layer is a unit of its own; selective: checkpointing every 2nd layer. Logits,
+    parameters, gradients and the grad norm all equal the unsharded model's."""
     _check_against_reference([r[case] for r in two_rank_results], reference)
 
 
@@ -256,3 +259,14 @@ def test_meta_init_on_pool_subset(tiny_model_dir):
     assert results[0] is None
     for logits in results[1:]:
         torch.testing.assert_close(torch.from_numpy(logits), expected, **TOL)
+
+
+def test_checkpointing_recomputes_every_n_th_layer(two_rank_results):
+    """model.gradient_checkpointing_every_n_layers: layers 0, n, 2n, ... recompute in backward, the others
+    keep their activations; 1 recomputes every layer, checkpointing off none."""
+    for r in two_rank_results:
+        layers = len(r["shard"][5])
+        assert layers >= 2
+        assert r["shard"][5] == [True] * layers
+        assert r["meta_init"][5] == [False] * layers
+        assert r["selective"][5] == [i % 2 == 0 for i in range(layers)]

@@ -54,6 +54,8 @@ def test_pick_dtype_and_attn():
 def test_configs_validate():
     with pytest.raises(ValueError, match="model.dtype"):
         ModelConfig(path="x", dtype="float8")
+    with pytest.raises(ValueError, match="gradient_checkpointing_every_n_layers=0: use 1"):
+        ModelConfig(path="x", gradient_checkpointing_every_n_layers=0)
     with pytest.raises(ValueError, match="fsdp_size"):
         FSDPConfig(fsdp_size=0)
 

@@ -26,6 +26,10 @@ class ModelConfig:
     """HF attention kernel: "auto" picks flash_attention_2 on GPU when installed, else sdpa."""
     enable_gradient_checkpointing: bool = True
     """Recompute decoder-layer activations in backward (activation checkpointing) to save memory."""
+    gradient_checkpointing_every_n_layers: int = 1
+    """With enable_gradient_checkpointing, recompute only layers 0, n, 2n, ... (selective checkpointing): the
+    others keep their activations, so backward holds about (1 - 1/n) of what it holds without checkpointing,
+    for about 1/n of the recompute. 1 recomputes every layer."""
     use_fused_layers: bool = False
     """RMSNorms and SwiGLU MLPs that keep less for backward (tinyzero.models.fused_layers): the same forward,
     about a third less activation memory in training, for a few elementwise ops in backward. Not with
@@ -63,6 +67,9 @@ class ModelConfig:
                              "module names such as ['q_proj', 'v_proj']")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"model.dtype={self.dtype!r} is not one of {DTYPE_NAMES}")
+        if not isinstance(self.gradient_checkpointing_every_n_layers, int) or self.gradient_checkpointing_every_n_layers < 1:
+            raise ValueError(f"model.gradient_checkpointing_every_n_layers={self.gradient_checkpointing_every_n_layers!r}: "
+                             "use 1 (recompute every layer) or more")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"model.attn_implementation={self.attn_implementation!r} is not one of {ATTN_IMPLEMENTATIONS}"

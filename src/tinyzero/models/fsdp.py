@@ -67,19 +67,27 @@ def mixed_precision_policy(fsdp_config: FSDPConfig, device_type: str) -> MixedPr
                                 cast_forward_inputs=True)
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer in backward (non-reentrant); keeps parameter names unchanged."""
+def enable_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> None:
+    """Recompute decoder layers 0, n, 2n, ... in backward (non-reentrant), n = `every_n_layers`; the
+    others keep their activations. Keeps parameter names unchanged."""
+    if every_n_layers < 1:
+        raise ValueError(f"model.gradient_checkpointing_every_n_layers={every_n_layers}: use 1 (every layer) or more")
     if getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "config"):
             model.config.use_cache = False
+        if every_n_layers > 1:
+            for i, layer in enumerate(decoder_layers(model)):
+                if hasattr(layer, "gradient_checkpointing"):
+                    layer.gradient_checkpointing = i % every_n_layers == 0
         return
     raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; "
                      "set model.enable_gradient_checkpointing=False")
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
-                enable_gradient_checkpointing: bool = False, tp_mesh: DeviceMesh | None = None) -> nn.Module:
+                enable_gradient_checkpointing: bool = False, tp_mesh: DeviceMesh | None = None,
+                checkpoint_every_n_layers: int = 1) -> nn.Module:
     """Apply fully_shard to every decoder layer and then the root; return the (same) model object.
 
     With `tp_mesh` (1-D, sliced from the same parent mesh as `mesh`), tensor parallelism
@@ -90,7 +98,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
 
         apply_tensor_parallel(model, tp_mesh)
     if enable_gradient_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, checkpoint_every_n_layers)
     mp_policy = mixed_precision_policy(fsdp_config, mesh.device_type)
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_config.offload_policy else OffloadPolicy()
@@ -232,7 +240,7 @@ def load_sharded_model(
 
         apply_fused_layers(model)
     parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing,
-                tp_mesh=tp_mesh)
+                tp_mesh=tp_mesh, checkpoint_every_n_layers=model_config.gradient_checkpointing_every_n_layers)
     target = torch.device("cpu") if fsdp_config.offload_policy else _comm_device(mesh)
     model.to_empty(device=target)
     broadcast_into_sharded(model, full_state, mesh, tp_mesh)

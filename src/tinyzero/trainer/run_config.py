@@ -38,7 +38,7 @@ SAFE_TO_CHANGE = {f"trainer.{name}" for name in (
 SAFE_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.",)
 SAFE_SUFFIXES = (
     ".optim.total_training_steps", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
-    ".enable_gradient_checkpointing", ".attn_implementation", ".gpu_memory_utilization", ".cpu_kv_cache_mb",
+    ".enable_gradient_checkpointing", ".gradient_checkpointing_every_n_layers", ".attn_implementation", ".gpu_memory_utilization", ".cpu_kv_cache_mb",
     ".enforce_eager", ".free_cache_engine", ".native_compile", ".param_offload", ".optimizer_offload",
     ".offload_policy", ".reshard_after_forward", ".fsdp_size", ".num_workers", "timeout_s", "trainer.device",
 )
