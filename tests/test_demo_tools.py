@@ -4,9 +4,9 @@
   conversation equal the prompt's ids, the call's, the observation tokens the loop appends
   (agent.chat.ObservationRenderer) and the answer's, and its loss mask covers exactly the call and the
   answer, each with the template's "<|im_end|>\n" (tokens the loop never samples: harmless targets).
-* End to end (slow, 6-7 min on a 2-core AVX2 machine): the tiny model, the warm-up (40% of the conversations call the calculator
-  and copy its result, the others copy the question's larger factor as a guess) and GRPO with the
-  calculator in the agent loop. Greedy validation (through the agent loop) of the warmed-up policy
+* End to end (slow, 6-7 min on a 2-core AVX2 machine): the tiny model, the warm-up (40% of the
+  conversations call the calculator and copy its result, the others copy the question's larger factor
+  as a guess) and GRPO with the calculator in the agent loop. Greedy validation (through the agent loop) of the warmed-up policy
   mostly guesses: accuracy at most 0.3. GRPO teaches it to call the tool: accuracy rises by at least
   0.3 and tool calls per validation sample end above 0.9 (val/agent/tool_calls/mean); the trained
   policy with the calculator disabled (one assistant turn) stays below 0.05. Measured: --seed 0 (the
