@@ -70,8 +70,6 @@ def mixed_precision_policy(fsdp_config: FSDPConfig, device_type: str) -> MixedPr
 def enable_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> None:
     """Recompute decoder layers 0, n, 2n, ... in backward (non-reentrant), n = `every_n_layers`; the
     others keep their activations. Keeps parameter names unchanged."""
-    if every_n_layers < 1:
-        raise ValueError(f"model.gradient_checkpointing_every_n_layers={every_n_layers}: use 1 (every layer) or more")
     if getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "config"):

@@ -6,9 +6,9 @@ stores tokens -- no Python per sequence -- and leaves early once every row holds
 after its first stop (kept; later slots get the pad id and response_mask 0). With a decoder that
 `takes_active_rows` (the fused one), rows found stopped at a check leave the batch's matmuls: the
 later steps compute the rows still generating only (their samples are the same: each row keeps
-its own uniforms), so a batch whose lengths vary costs about its tokens, not rows x longest. A stop is a stop
-token or the last token of a stop sequence (params.stop_sequences, e.g. a tool call's closing
-tag spelled in several tokens) sampled whole within the response (`stop_hits`).
+its own uniforms), so a batch whose lengths vary costs about its tokens, not rows x longest.
+A stop is a stop token or the last token of a stop sequence (params.stop_sequences, e.g. a tool
+call's closing tag spelled in several tokens) sampled whole within the response (`stop_hits`).
 
 Prefix sharing: with group_size g > 1 the B distinct prompts are prefilled once and each is decoded
 as g rows (row i*g + j is sample j of prompt i, the rows `repeat_interleave(g)` gives); the
@@ -97,7 +97,8 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             logp = torch.zeros(B, dtype=logp.dtype, device=device).index_copy_(0, active, logp)
         tok_steps.append(tok)
         logp_steps.append(logp)
-        # Rows past their stop token keep decoding (static batch); they are masked out below.
+        # Rows past their stop token keep decoding until the next check (and to the end with a decoder that
+        # does not take active rows); what they sample is masked out below.
         if t == R - 1:
             break
         if check_stop and (t + 1) % sync_every == 0:

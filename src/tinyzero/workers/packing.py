@@ -252,6 +252,12 @@ class Packed:
         return create_block_mask(self.mask_mod(), B=rows, H=None, Q_LEN=length, KV_LEN=length,
                                  device=self.segments.device)
 
+    def keep_only(self, wanted: torch.Tensor) -> None:
+        """Narrow the predicted response tokens to `wanted` (batch, R) bool (e.g. SFT's targets): the others'
+        hidden states are not gathered, and their results scatter to 0."""
+        self.hidden_index = self.hidden_index[wanted[self.valid]]
+        self.valid = self.valid & wanted
+
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """(valid tokens,) results -> (batch, R), 0 at padding; differentiable."""
         out = flat.new_zeros(self.valid.shape)

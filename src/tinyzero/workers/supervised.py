@@ -37,15 +37,14 @@ def sft_loss_sums(model, batch: dict, packing: str = "none") -> tuple[torch.Tens
     (T - 1)-token responses. Packed (`packing` other than "none"), every row is one segment of packed
     rows and only the targets' hidden states meet the lm_head."""
     ids = batch["input_ids"]
-    targets = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()  # (b, T-1)
+    targets = sft_targets(batch)
     rows = {"input_ids": ids, "attention_mask": batch["attention_mask"], "position_ids": batch["position_ids"],
             "responses": ids[:, 1:]}
     if packing == "none":
         log_probs, _ = response_log_probs(model, rows, 1.0, False)
     else:
         packed, mask = pack_batch(model, rows, "remove_padding")
-        packed.hidden_index = packed.hidden_index[targets[packed.valid]]
-        packed.valid = packed.valid & targets
+        packed.keep_only(targets)
         log_probs = model.token_log_probs(packed.input_ids, mask, packed.position_ids, rows["responses"], 1.0,
                                           False, packed)
     return -(log_probs * targets).sum(), {"count": targets.sum()}
@@ -71,8 +70,13 @@ def rm_loss_sums(model, batch: dict, packing: str = "none") -> tuple[torch.Tenso
                                          "correct": (margin > 0).float().sum().detach()}
 
 
+def sft_targets(batch: dict) -> torch.Tensor:
+    """(b, T-1) bool: token t + 1 is a target (a real token whose loss_mask is 1)."""
+    return batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()
+
+
 def sft_count(batch: dict) -> float:
-    return float((batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()).sum())
+    return float(sft_targets(batch).sum())
 
 
 def rm_count(batch: dict) -> float:
