@@ -130,6 +130,10 @@ class FusedDecoder:
         self.step_pos = None  # (B, R) decode positions given to begin(); step_cos/step_sin: (R, B, 1, D)
         self.step_cos = self.step_sin = None
         self.fused: list[dict] = []
+        # Tensor parallelism (set_tensor_parallel): the MLPs and lm_head split over the group, attention by rows.
+        self.comm = None  # tp_comm.ShmComm / DistComm of the engine's tensor-parallel group
+        self.tp_on = False  # this batch decodes tensor-parallel (reset)
+        self.tp_prompts = self.tp_rows = (0, 0)  # [lo, hi) of the prompts / rows this rank attends for
         self._fuse()
         # Batch size, cache length and slot are marked dynamic per call (_run_decode), so one compiled
         # graph serves every batch and step (no recompiles as the cache fills or a last chunk is smaller).
@@ -158,6 +162,48 @@ class FusedDecoder:
             })
         self.final_norm = norm_fn(self.norm)
         self.lm_head_wt = weight_t(self.lm_head)
+        if self.comm is not None:
+            self._fuse_tensor_parallel()
+
+    def _fuse_tensor_parallel(self) -> None:
+        """This rank's shards as views of the full weights: columns rank*I/T .. of gate and up (rows of
+        their weights), the same rows of down's (in, out) view, and a 1/T block of lm_head's vocabulary
+        (the last one shorter when T does not divide it)."""
+        T, r = self.comm.size, self.comm.rank
+        self.tp_lm_head_wt = None
+        for layer, f in zip(self.layers, self.fused):
+            m = layer.mlp
+            inter = m.gate_proj.weight.shape[0]
+            if inter % T or f["down_wt"] is None or f["gate_up_lora"] is not None:
+                return
+            n = inter // T
+            gu = f["gate_up_w"].view(2, T, n, -1)  # [gate | up] rows, each in T blocks
+            f["tp_gate_wt"], f["tp_up_wt"] = gu[0, r].t(), gu[1, r].t()
+            f["tp_down_wt"] = f["down_wt"][r * n:(r + 1) * n]
+        if self.lm_head_wt is None:
+            return
+        vocab = self.lm_head.weight.shape[0]
+        per = -(-vocab // T)
+        self.tp_vocab = (vocab, per)
+        self.tp_lm_head_wt = self.lm_head.weight[r * per:(r + 1) * per].t()
+
+    def set_tensor_parallel(self, comm) -> None:
+        """Decode over a tensor-parallel group (rollout.tensor_model_parallel_size), every rank holding the
+        whole batch: each attends for its 1/T of the prompts' rows (their KV cache only) and computes a
+        1/T column block of every MLP and of lm_head for all rows; the attention rows are all-gathered and
+        the MLP's partial sums all-reduced once per layer, the logits' vocabulary blocks gathered once per
+        step. A decode step then reads 1/T of the MLP and lm_head weights for T times the rows (decode is
+        bound by reading the weights at small batches). The residual stream, the logits and so the samples
+        are the same on every rank. A batch whose prompts do not split evenly, unmerged LoRA adapters or an
+        intermediate size T does not divide decode on every rank alone (the same tokens, T times the work)."""
+        if self._compiled is not None:
+            raise ValueError("rollout.native_compile does not combine with rollout.tensor_model_parallel_size > 1")
+        self.comm = comm
+        self._fuse()
+
+    def _tp_ready(self) -> bool:
+        return self.comm is not None and self.comm.size > 1 and getattr(self, "tp_lm_head_wt", None) is not None \
+            and all("tp_down_wt" in f for f in self.fused)
 
     def _fusion_intact(self) -> bool:
         if len(self.fused) != len(self.layers):
@@ -187,6 +233,15 @@ class FusedDecoder:
         max_len = prompt_len + response_len
         self.group_size, self.prompt_len, self.shared_kv = group_size, prompt_len, shared
         cache_len = prompt_len if shared else max_len
+        self.tp_on = self._tp_ready() and num_prompts % self.comm.size == 0
+        if self.tp_on:  # this rank's prompts (and their rows): the caches hold those only
+            T, r = self.comm.size, self.comm.rank
+            local = num_prompts // T
+            self.tp_prompts, self.tp_rows = (r * local, (r + 1) * local), (r * local * group_size, (r + 1) * local * group_size)
+            vocab, per = self.tp_vocab
+            rows = num_prompts * group_size
+            self.comm.reserve(p.element_size() * max(rows * per, local * group_size * vocab, rows * p.shape[1]))
+            num_prompts = local
         if group_size > 1 and not shared:
             num_prompts *= group_size  # one cache entry per row
 
@@ -231,10 +286,15 @@ class FusedDecoder:
         first row of each prompt (the response slots all hold real tokens). And, given the positions
         (B, R) the decode steps will be fed (as views `decode_positions[:, t:t+1]`), the rope factors
         of every step, gathered once instead of per step. key_valid: (B, P+R) per row."""
+        own = key_valid
         if self.shared_kv:
-            key_valid = key_valid[:: self.group_size, : self.prompt_len]
-        bias = torch.zeros(key_valid.shape, dtype=self.embed.weight.dtype, device=key_valid.device)
-        bias.masked_fill_(~key_valid, float("-inf"))
+            own = key_valid[:: self.group_size, : self.prompt_len]
+            if self.tp_on:
+                own = own[self.tp_prompts[0]:self.tp_prompts[1]]
+        elif self.tp_on:
+            own = key_valid[self.tp_rows[0]:self.tp_rows[1]]
+        bias = torch.zeros(own.shape, dtype=self.embed.weight.dtype, device=key_valid.device)
+        bias.masked_fill_(~own, float("-inf"))
         self.key_bias = bias.repeat_interleave(self.num_kv_heads, dim=0)[:, None]
         self.step_pos = self.step_cos = self.step_sin = None
         if decode_positions is not None and self.cos_table is not None:
@@ -365,6 +425,44 @@ class FusedDecoder:
             x.add_(self._mlp_decode(f, f["post_norm"](x)))
         return mm(self.final_norm(x), self.lm_head_wt, self.lm_head).float()
 
+    def decode_step_tp(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
+                       kv: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor | None = None,
+                       group_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                       active: torch.Tensor | None = None) -> torch.Tensor:
+        """`decode_step` over the tensor-parallel group (set_tensor_parallel): token, cos, sin and `active`
+        cover every row of the batch; bias, kv and group_kv this rank's rows [lo, hi). The residual stream
+        x holds every (active) row on every rank."""
+        comm, (lo, hi) = self.comm, self.tp_rows
+        if active is None:
+            x = F.embedding(token, self.embed.weight)  # (B, hidden)
+            cos, sin, own, local = cos[lo:hi], sin[lo:hi], None, None
+        else:
+            x = F.embedding(token[active], self.embed.weight)  # (A, hidden)
+            mine = (active >= lo) & (active < hi)
+            own = mine.nonzero().squeeze(1)  # this rank's rows among the active ones
+            local = active[own] - lo  # ... as indices into its own rows
+            cos, sin = cos[active[own]], sin[active[own]]
+        for i, (f, layer_kv) in enumerate(zip(self.fused, kv)):
+            h = f["input_norm"](x)
+            h = h[lo:hi] if own is None else h[own]
+            if group_kv is None:
+                a = self._attention_decode(f, h, cos, sin, bias, layer_kv, local)
+            else:
+                a = self._attention_decode_shared(f, h, cos, sin, bias, slots, layer_kv, group_kv[i], local)
+            if own is not None:  # the same shape on every rank: this rank's rows, zero where stopped
+                a = a.new_zeros((hi - lo, a.shape[1])).index_copy_(0, local, a)
+            a = comm.all_gather(a).view(-1, a.shape[1])  # (B, hidden)
+            x.add_(a if active is None else a[active])
+            h = f["post_norm"](x)
+            y = torch.mm(f["act"](torch.mm(h, f["tp_gate_wt"])).mul_(torch.mm(h, f["tp_up_wt"])), f["tp_down_wt"])
+            x.add_(comm.all_reduce_(y))
+        logits = torch.mm(self.final_norm(x), self.tp_lm_head_wt)  # (rows, this rank's vocabulary block)
+        vocab, per = self.tp_vocab
+        if logits.shape[1] < per:
+            logits = F.pad(logits, (0, per - logits.shape[1]))
+        parts = comm.all_gather(logits)  # (T, rows, per)
+        return parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, :vocab].float()
+
     def _run_decode(self, token, cos, sin, bias, slots: torch.Tensor | None = None,
                     active: torch.Tensor | None = None) -> torch.Tensor:
         """decode_step, compiled when asked; a compile failure warns once and the step runs eagerly
@@ -381,6 +479,8 @@ class FusedDecoder:
                 raise ValueError(f"KV cache overflow: writing response slot {t} of {self.group_caches[0].max_len}")
             args += (slots, [(c.k_cache, c.v_cache) for c in self.group_caches])
         args += (None, None, active) if slots is None else (active,)
+        if self.tp_on:
+            return self.decode_step_tp(*args)
         if self._compiled is None:
             return self.decode_step(*args)
         if token.shape[0] > 1:  # batch and cache length symbolic: one graph for every batch and step
@@ -412,11 +512,15 @@ class FusedDecoder:
                                     active)
         if input_ids.shape[1] == 1:  # decode: (B, hidden) activations, no per-op reshapes
             kb = self.key_bias
-            if kb is None or kb.shape[0] != key_valid.shape[0] * self.num_kv_heads or kb.shape[2] < key_valid.shape[1]:
+            rows = self.tp_rows[1] - self.tp_rows[0] if self.tp_on else key_valid.shape[0]
+            if kb is None or kb.shape[0] != rows * self.num_kv_heads or kb.shape[2] < key_valid.shape[1]:
                 self.begin(key_valid)
                 kb = self.key_bias
             bias = kb[..., : key_valid.shape[1]]  # (B * kv_heads, 1, S)
             return self._run_decode(input_ids.view(-1), cos, sin, bias, None, active)
+        if self.tp_on:  # prefill this rank's prompts with the whole weights; every rank gets every row's logits
+            lo, hi = self.tp_prompts
+            input_ids, key_valid, cos, sin = input_ids[lo:hi], key_valid[lo:hi], cos[lo:hi], sin[lo:hi]
         x = F.embedding(input_ids, self.embed.weight)  # (B, T, H)
         mask = attention_mask(key_valid, start, input_ids.shape[1])
         for i, layer in enumerate(self.layers):
@@ -425,7 +529,10 @@ class FusedDecoder:
         h = x[:, -1]
         if self.group_size > 1:  # one row per sample: lm_head then runs on the shape it has without sharing
             h = h.repeat_interleave(self.group_size, dim=0)  # (small-M matmuls round differently per M)
-        return linear(self.lm_head, rms_norm(self.norm, h)).float()
+        logits = linear(self.lm_head, rms_norm(self.norm, h))
+        if self.tp_on:
+            logits = self.comm.all_gather(logits).view(-1, logits.shape[1])
+        return logits.float()
 
 
 def _all_rows(tensors: tuple[torch.Tensor, ...], active: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, ...]:

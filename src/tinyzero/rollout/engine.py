@@ -216,11 +216,12 @@ def _vllm_unavailable() -> str | None:
 
 
 @register_engine("native")
-def _build_native(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, lora_rank=0):
+def _build_native(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, lora_rank=0,
+                  tp_group=None):
     from tinyzero.rollout.native import NativeRollout
 
     return NativeRollout(config, hf_config, device, model_path=model_path if load_weights else None,
-                         dp_rank=dp_rank, trust_remote_code=trust_remote_code)
+                         dp_rank=dp_rank, trust_remote_code=trust_remote_code, tp_group=tp_group)
 
 
 @register_engine("vllm", unavailable=_vllm_unavailable)
@@ -253,7 +254,7 @@ def resolve_auto(notice: Callable[[str], None] | None = print) -> str:
 
 def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_config=None,
                   device: torch.device | str | None = None, dp_rank: int = 0, load_weights: bool = False,
-                  trust_remote_code: bool = False, lora_rank: int = 0) -> RolloutEngine:
+                  trust_remote_code: bool = False, lora_rank: int = 0, tp_group=None) -> RolloutEngine:
     """Build the engine named by config.name on `device` (a registry lookup).
 
     model_path: the HF folder (vLLM reads its config; the native engine reads weights from it only
@@ -263,6 +264,8 @@ def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_con
     waiting for update_weights. tokenizer: engines work on ids; the multi-turn agent loop
 (rollout.multi_turn.enable) renders observations with it (read from model_path when None).
     lora_rank: model.lora_rank; > 0 builds vLLM with its LoRA layers (adapter-only syncs).
+    tp_group: the process group of this rank's rollout tensor-parallel group (tensor_model_parallel_size
+    consecutive ranks), which the native engine splits its decode over; vLLM builds its own groups.
     """
     name = resolve_auto() if config.name == "auto" else config.name
     spec = ENGINES.get(name)
@@ -275,8 +278,10 @@ def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_con
                                                local_files_only=True)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    lora = {"lora_rank": lora_rank} if lora_rank else {}  # builders that know no LoRA keep working without it
-    engine = spec.build(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, **lora)
+    extra = {"lora_rank": lora_rank} if lora_rank else {}  # builders that know no LoRA keep working without it
+    if name == "native" and tp_group is not None:
+        extra["tp_group"] = tp_group
+    engine = spec.build(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, **extra)
     if config.multi_turn.enable:  # the agent loop (tinyzero.agent) wraps whichever engine was built
         from tinyzero.agent.loop import wrap_engine
 

@@ -65,18 +65,30 @@ class NativeRollout:
     """Rollout engine over an inference copy of the model (see module docstring)."""
 
     def __init__(self, config: RolloutConfig, hf_config, device: torch.device | str, model_path: str | None = None,
-                 dp_rank: int = 0, trust_remote_code: bool = False):
+                 dp_rank: int = 0, trust_remote_code: bool = False, tp_group=None):
         self.config = config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = build_inference_model(hf_config, self.device, self.dtype, model_path, trust_remote_code)
         self.decoder = build_decoder(self.model, config.native_impl, compile=config.native_compile)
+        self.tp_comm = None  # rollout.tensor_model_parallel_size > 1: the group's collectives (tp_comm.py)
+        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+            from tinyzero.rollout.tp_comm import build_comm
+
+            self.tp_comm = build_comm(tp_group, self.device)
+            self._split_decoder()
         self.dp_rank = dp_rank
         self.num_calls = 0
         self.memory: dict[str, float] = {}
         self._targets = dict(self.model.state_dict(keep_vars=True))
         self._discarded: list[tuple[torch.nn.Parameter, torch.Size]] = []  # level-2 sleep: (param, shape)
         self._unset: dict[int, str] | None = None  # after a level-2 sleep: parameters not written since
+
+    def _split_decoder(self) -> None:
+        """With a tensor-parallel group, the fused decoder splits its MLPs and lm_head over it; the HF
+        decoder cannot, so every rank of the group generates the whole batch alone."""
+        if self.tp_comm is not None and hasattr(self.decoder, "set_tensor_parallel"):
+            self.decoder.set_tensor_parallel(self.tp_comm)
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
@@ -149,6 +161,7 @@ class NativeRollout:
             count += 1
         if installed:
             self.decoder = build_decoder(self.model, self.config.native_impl, compile=self.config.native_compile)
+            self._split_decoder()
         return count
 
     def sleep(self) -> None:

@@ -177,10 +177,14 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError("actor_rollout_ref.rollout.sleep_level=2 discards the engine's weights after each "
                              "generation, and this rollout pool holds no actor to re-send them from; "
                              "set actor_rollout_ref.rollout.sleep_level=1")
+        # The native engine splits its decode over the ranks of a tensor-parallel group (vLLM makes its own).
+        tp_group = dims.tp_mesh(dims.build_mesh(self.device_mesh)).get_group() \
+            if dims.tp > 1 and cfg.rollout.name in ("native", "auto") else None
         # Without an actor in this process the engine starts from the checkpoint's weights.
         return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
                              device=self.device, dp_rank=dims.dp_rank(self.rank), load_weights=self.actor is None,
-                             trust_remote_code=cfg.model.trust_remote_code, lora_rank=cfg.model.lora_rank)
+                             trust_remote_code=cfg.model.trust_remote_code, lora_rank=cfg.model.lora_rank,
+                             tp_group=tp_group)
 
     # ------------------------------------------------------------------ rollout
     def _sync_weights(self) -> None:
