@@ -67,6 +67,23 @@ def test_grpo_learns(demo_setup):
     assert val[0] < 0.2 and val[-1] > 0.6, f"validation score did not rise: {val}"
 
 
+def test_grpo_with_tensor_parallel_native_rollout(demo_setup):
+    """rollout.tensor_model_parallel_size=2 on the native engine: both ranks decode the whole batch as one
+    tensor-parallel group (tests/test_rollout_tp.py checks its samples); the trainer gets one copy of it
+    and trains on finite metrics."""
+    import math
+
+    torchrun(_rl_args(demo_setup, "grpo_tp", "--trainer.total_training_steps=3", "--trainer.test_freq=3",
+                      "--actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
+    rows = read_metrics(str(demo_setup / "grpo_tp"))
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm", "response_length/mean"))
+        assert r["response_length/mean"] > 0
+    assert _val(rows)  # validation ran through the same engine
+
+
 def test_ppo_gae_with_critic_learns_split_placement(demo_setup):
     torchrun(_rl_args(demo_setup, "ppo", "--algorithm.adv_estimator=gae", "--actor_rollout_ref.rollout.n=4",
                       "--critic.optim.lr=1e-3", "--critic.ppo_mini_batch_size=8", "--trainer.placement=split",

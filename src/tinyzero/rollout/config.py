@@ -64,7 +64,9 @@ class RolloutConfig:
     """vLLM on CPU: KV-cache size in MiB per rank; 0 sizes it for max_num_seqs full-length sequences,
     at most 1 GiB (vLLM preempts and recomputes sequences when it runs out)."""
     tensor_model_parallel_size: int = 1
-    """vLLM: ranks per tensor-parallel group (consecutive ranks); data-parallel across groups."""
+    """Ranks per tensor-parallel group (consecutive ranks); data-parallel across groups. vLLM splits
+    every layer over the group; the native engine (fused decoder) splits the MLPs and lm_head and
+    gives each rank a share of the rows to attend for (rollout/decoder.py, set_tensor_parallel)."""
     enforce_eager: bool = True
     """vLLM: run eagerly (no CUDA graphs / torch.compile)."""
     max_num_batched_tokens: int = 8192
