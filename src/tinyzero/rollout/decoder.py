@@ -134,6 +134,8 @@ class FusedDecoder:
         self.comm = None  # tp_comm.ShmComm / DistComm of the engine's tensor-parallel group
         self.tp_on = False  # this batch decodes tensor-parallel (reset)
         self.tp_prompts = self.tp_rows = (0, 0)  # [lo, hi) of the prompts / rows this rank attends for
+        self.tp_lm_head_wt = None  # (hidden, vocabulary block) view of this rank's lm_head rows
+        self.tp_vocab = (0, 0)  # (vocabulary, block size)
         self._fuse()
         # Batch size, cache length and slot are marked dynamic per call (_run_decode), so one compiled
         # graph serves every batch and step (no recompiles as the cache fills or a last chunk is smaller).
@@ -202,7 +204,7 @@ class FusedDecoder:
         self._fuse()
 
     def _tp_ready(self) -> bool:
-        return self.comm is not None and self.comm.size > 1 and getattr(self, "tp_lm_head_wt", None) is not None \
+        return self.comm is not None and self.comm.size > 1 and self.tp_lm_head_wt is not None \
             and all("tp_down_wt" in f for f in self.fused)
 
     def _fusion_intact(self) -> bool:

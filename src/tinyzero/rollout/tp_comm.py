@@ -53,9 +53,6 @@ class DistComm:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def close(self) -> None:
-        pass
-
 
 class ShmComm:
     """The ranks of `group`, on one host, exchanging through shared memory (see module docstring)."""
@@ -131,9 +128,6 @@ class ShmComm:
         parts = self.all_gather(x)
         torch.sum(parts, dim=0, out=x) if self.size > 2 else torch.add(parts[0], parts[1], out=x)
         return x
-
-    def close(self) -> None:
-        self._mem = self._flags = self._slots = None
 
 
 def build_comm(group, device: torch.device, nbytes: int = 1 << 20):
