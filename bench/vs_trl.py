@@ -16,6 +16,9 @@ with the same model folder and the same work per optimizer step:
   update    GRPO advantages (group mean / std), token-mean loss, clip 0.2, no KL, one AdamW step per
             batch (lr 1e-5 constant, wd 0, betas 0.9 / 0.999), grad clip 1, fp32, no activation
             checkpointing; 2 processes x 1 thread.
+  settings  ours on a real model (not the tiny one): REAL_MODEL_FLAGS below, the real_cpu preset's
+            CPU settings (tensor-parallel rollout over both ranks, sleep level 2, fused layers,
+            freed heap pages kept); --plain leaves them out;
   precision fp32 by default; --precision bf16 runs both sides in bf16 mixed precision (fp32 master
             weights and optimizer; TRL's bf16=True through bench/trl_bf16.py, ours FSDP2
             param_dtype=bf16 and a bf16 rollout engine).
@@ -172,6 +175,16 @@ def run_trl(args, model: str, work: str, tag: str) -> dict:
             "step_s": r["step_s"], "trl": r["trl"], "transformers": r["transformers"]}
 
 
+# Our side's settings for a model of real size on CPU, as the real_cpu preset has them (--plain leaves
+# them out; --ours-flag, given after them, overrides any): the rollout decodes tensor-parallel over
+# both ranks, sleep level 2 frees the engine's weights and cache for the update, the fused layers
+# keep less for backward, and the heaps keep freed pages for reuse (tinyzero.host_memory).
+REAL_MODEL_FLAGS = (
+    "--actor_rollout_ref.rollout.tensor_model_parallel_size=2", "--actor_rollout_ref.rollout.sleep_level=2",
+    "--actor_rollout_ref.model.use_fused_layers=true", "--trainer.host_keep_freed_memory=true",
+)
+
+
 def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
     from tinyzero.trainer.loggers import read_metrics
 
@@ -197,6 +210,7 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
         f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}",
         # fp32 master weights either way; bf16: FSDP2 computes in bf16 and the engine samples in bf16
         f"{a}.fsdp_config.mixed_precision.param_dtype={args.precision}", f"{r}.dtype={args.precision}",
+        *(REAL_MODEL_FLAGS if args.model != "tiny" and not getattr(args, "plain", False) else ()),
         *getattr(args, "ours_flag", []),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -254,6 +268,9 @@ def main() -> None:
     p.add_argument("--ours-flag", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                    help="an extra train.py flag for our side (repeatable), e.g. "
                         "--ours-flag=--actor_rollout_ref.rollout.sleep_level=2")
+    p.add_argument("--plain", action="store_true",
+                   help="our side without REAL_MODEL_FLAGS on a real model (the demo_cpu settings and the "
+                        "workload's own)")
     p.add_argument("--idle-busy", type=float, default=0.1, help="busy CPU share below which the machine is idle")
     p.add_argument("--idle-wait-s", type=float, default=600.0, help="longest wait for an idle machine per run")
     p.add_argument("--run-timeout-s", type=float, default=3600.0)
@@ -281,7 +298,7 @@ def main() -> None:
             print(json.dumps({"round": i, "side": side, **runs[-1]}), flush=True)
     result = {
         "model": args.model, "model_path": model, "rounds": args.rounds, "steps": args.steps,
-        "warmup": args.warmup, "packing": args.packing,
+        "warmup": args.warmup, "packing": args.packing, "plain": args.plain,
         "precision": args.precision,
         "shape": "8 prompts x 4 samples, <= 64 new tokens, 2 procs x 1 thread",
         "step_time_ratio": _median_ratio(ours, trl, "sec_per_step"),
