@@ -34,7 +34,7 @@ import traceback
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# PyTorch's CPU allocator: blocks of 2 MiB and more aligned to 2 MiB and backed by transparent huge
+# PyTorch's CPU allocator: blocks of 2 MiB and more page-aligned and backed by transparent huge
 # pages. Read once, at torch's first allocation, so it is set before torch is imported; it lowers a
 # real model's peak host memory and its page faults (tinyzero.host_memory). THP_MEM_ALLOC_ENABLE=0
 # turns it off.

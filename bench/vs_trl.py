@@ -16,7 +16,7 @@ with the same model folder and the same work per optimizer step:
   update    GRPO advantages (group mean / std), token-mean loss, clip 0.2, no KL, one AdamW step per
             batch (lr 1e-5 constant, wd 0, betas 0.9 / 0.999), grad clip 1, fp32, no activation
             checkpointing; 2 processes x 1 thread.
-  settings  ours on a real model (not the tiny one): REAL_MODEL_FLAGS below, the real_cpu preset's
+  settings  ours on a real model (not the tiny one): real_model_flags() below, the real_cpu preset's
             CPU settings (tensor-parallel rollout over both ranks, sleep level 2, fused layers,
             freed heap pages kept); --plain leaves them out;
   precision fp32 by default; --precision bf16 runs both sides in bf16 mixed precision (fp32 master
@@ -175,14 +175,19 @@ def run_trl(args, model: str, work: str, tag: str) -> dict:
             "step_s": r["step_s"], "trl": r["trl"], "transformers": r["transformers"]}
 
 
-# Our side's settings for a model of real size on CPU, as the real_cpu preset has them (--plain leaves
-# them out; --ours-flag, given after them, overrides any): the rollout decodes tensor-parallel over
-# both ranks, sleep level 2 frees the engine's weights and cache for the update, the fused layers
-# keep less for backward, and the heaps keep freed pages for reuse (tinyzero.host_memory).
-REAL_MODEL_FLAGS = (
-    "--actor_rollout_ref.rollout.tensor_model_parallel_size=2", "--actor_rollout_ref.rollout.sleep_level=2",
-    "--actor_rollout_ref.model.use_fused_layers=true", "--trainer.host_keep_freed_memory=true",
-)
+def real_model_flags() -> list[str]:
+    """Our side's settings for a model of real size on CPU, read from the real_cpu preset (--plain
+    leaves them out; --ours-flag, given after them, overrides any): the rollout decodes tensor-parallel
+    over both ranks, sleep level 2 frees the engine's weights and cache for the update, the fused
+    layers keep less for backward, and the heaps keep freed pages for reuse (tinyzero.host_memory)."""
+    from tinyzero.configs.real import real_cpu
+
+    cfg = real_cpu()
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    return [f"--actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
+            f"--actor_rollout_ref.rollout.sleep_level={rollout.sleep_level}",
+            f"--actor_rollout_ref.model.use_fused_layers={str(model.use_fused_layers).lower()}",
+            f"--trainer.host_keep_freed_memory={str(cfg.trainer.host_keep_freed_memory).lower()}"]
 
 
 def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
@@ -210,7 +215,7 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
         f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}",
         # fp32 master weights either way; bf16: FSDP2 computes in bf16 and the engine samples in bf16
         f"{a}.fsdp_config.mixed_precision.param_dtype={args.precision}", f"{r}.dtype={args.precision}",
-        *(REAL_MODEL_FLAGS if args.model != "tiny" and not getattr(args, "plain", False) else ()),
+        *(real_model_flags() if args.model != "tiny" and not getattr(args, "plain", False) else ()),
         *getattr(args, "ours_flag", []),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -269,7 +274,7 @@ def main() -> None:
                    help="an extra train.py flag for our side (repeatable), e.g. "
                         "--ours-flag=--actor_rollout_ref.rollout.sleep_level=2")
     p.add_argument("--plain", action="store_true",
-                   help="our side without REAL_MODEL_FLAGS on a real model (the demo_cpu settings and the "
+                   help="our side without real_model_flags() on a real model (the demo_cpu settings and the "
                         "workload's own)")
     p.add_argument("--idle-busy", type=float, default=0.1, help="busy CPU share below which the machine is idle")
     p.add_argument("--idle-wait-s", type=float, default=600.0, help="longest wait for an idle machine per run")
