@@ -29,9 +29,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tinyzero.distributed import collective_timeout_s
 from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.models.loading import check_model_path, load_model, pick_dtype
 from tinyzero.parallel import ParallelDims
+from tinyzero.shm_comm import use_shm_collectives
 
 _KINDS = ("causal_lm", "value", "reward")
 
@@ -112,6 +114,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
     # start to its end anyway; resharding in between would only cost one more all-gather. Forward-only
     # passes free it explicitly (workers.common.reshard).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    if fsdp_config.shm_collectives:
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        use_shm_collectives(units, mesh.get_group(mesh.ndim - 1), torch.device(mesh.device_type), collective_timeout_s())
     return model
 
 
