@@ -4,7 +4,7 @@ The all-gather and reduce-scatter must equal gloo's (bit for bit: the sum runs i
 plain loop in rank order is the reference) for flat tensors of several dtypes, through slots far
 smaller than the tensors (many pieces, a ragged last one). An FSDP2 model whose collectives go through
 the segment must train exactly like the same model on gloo (gradients and parameters after two AdamW
-steps identical), and the segment must really carry them. A peer that never arrives makes the other
+steps identical), and the segment must really carry them, and the weight sync's gathers. A peer that never arrives makes the other
 rank raise within the timeout, naming it. Budget: ~20 s.
 """
 
@@ -76,6 +76,7 @@ def _fsdp_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from tinyzero.rollout.weight_sync import iter_full_params
     from tinyzero.shm_comm import use_shm_collectives
 
     dist.init_process_group("gloo")
@@ -108,6 +109,12 @@ def _fsdp_worker():
             opt.step()
             opt.zero_grad()
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        if kind == "shm":  # the weight sync's bucket gathers take the same segment
+            before = calls["all_gather_into"]
+            synced = dict(iter_full_params(model, bucket_bytes=1 << 20))
+            calls["sync"] = calls["all_gather_into"] - before
+            calls["all_gather_into"] = before
+            assert synced.keys() == params.keys() and all(torch.equal(synced[n], params[n]) for n in params)
         results[kind] = (grads, params)
     (g_grads, g_params), (s_grads, s_params) = results["gloo"], results["shm"]
     differ = [(step, name) for step in range(2) for name in g_grads[step]
@@ -129,7 +136,8 @@ def test_fsdp_trains_the_same_through_shared_memory():
         assert least_change > 1e-3  # every parameter trained
         # per step, each of the 3 linear units is gathered for forward and again for backward, and its
         # gradient reduce-scattered once (the root holds no parameters of its own)
-        assert calls == {"all_gather_into": 2 * 6, "reduce_scatter_into": 2 * 3}
+        # and the weight sync gathers its one bucket through the segment too
+        assert calls == {"all_gather_into": 2 * 6, "reduce_scatter_into": 2 * 3, "sync": 1}
 
 
 def _absent_peer_worker():

@@ -230,14 +230,25 @@ def _make_hooks(comm: ShmComm):
     return ShmAllGather(), ShmReduceScatter()
 
 
+_COMMS: dict = {}  # process group -> the ShmComm its FSDP2 modules use (one segment per group)
+
+
+def comm_for(group) -> ShmComm | None:
+    """The segment `use_shm_collectives` set up for `group`, or None (then use torch.distributed)."""
+    return _COMMS.get(group)
+
+
 def use_shm_collectives(modules, group, device: torch.device, timeout_s: float,
                         slot_bytes: int = 4 << 20) -> ShmComm | None:
     """Route the FSDP2 modules' all-gathers and reduce-scatters over `group` through one shared segment
     when the group is CPU ranks of one x86 host (a collective call); return the comm, or None (nothing
-    changed). `slot_bytes`: the piece each rank writes per handshake (the segment holds 2 x ranks of them)."""
-    if not intra_host_cpu_group(group, device):
-        return None
-    comm = ShmComm(group, slot_bytes, timeout_s=timeout_s, what="FSDP collective")
+    changed). `slot_bytes`: the piece each rank writes per handshake (the segment holds 2 x ranks of them).
+    The models of one group (actor, reference, critic) share its segment; `comm_for(group)` finds it."""
+    comm = _COMMS.get(group)
+    if comm is None:
+        if not intra_host_cpu_group(group, device):
+            return None
+        comm = _COMMS[group] = ShmComm(group, slot_bytes, timeout_s=timeout_s, what="FSDP collective")
     all_gather, reduce_scatter = _make_hooks(comm)
     for module in modules:
         module.set_custom_all_gather(all_gather)

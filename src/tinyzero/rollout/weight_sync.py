@@ -23,6 +23,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from tinyzero.shm_comm import comm_for
+
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -138,9 +140,13 @@ def _gather_dim0_bucket(tensors: list[torch.Tensor], group,
     for t, (start, _, _, _) in zip(tensors, layout):
         local = t.to_local().detach().reshape(-1)
         mine[start:start + local.numel()].copy_(local)
-    # all_gather_single is the newer name of all_gather_into_tensor (deprecated in recent torch).
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out.view(-1), mine, group=group)
+    comm = comm_for(group)  # the FSDP2 modules' shared-memory segment on one CPU host
+    if comm is not None:
+        comm.all_gather_into(out.view(-1), mine)
+    else:
+        # all_gather_single is the newer name of all_gather_into_tensor (deprecated in recent torch).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), mine, group=group)
     if len(tensors) == 1:
         _, n, c, rest = layout[0]
         yield out.view(world * c, *rest)[:n]
