@@ -13,7 +13,10 @@ works unchanged.
 * torch (CPU and the reference): each token chunk is further tiled over the vocabulary, with
   an online log-sum-exp / entropy across vocabulary tiles (the same recurrence as the Triton
   kernel). The weight is then streamed from memory once per token chunk, not once per
-  (small) chunk, and a tile is (chunk, vocab_block) instead of (chunk, V).
+  (small) chunk, and a tile is (chunk, vocab_block) instead of (chunk, V). Up to
+  `keep_logits_bytes` of the forward's tiles (256 MiB by default) are kept for the backward
+  instead of recomputed: the logits of a few hundred response tokens of a 50k vocabulary cost
+  one (tokens, V) matmul of the four the head needs, and this much memory.
 The label logit is taken as the dot product hidden . weight[label] on the torch path.
 """
 
@@ -27,6 +30,7 @@ from .logprobs import compute_dtype, rows_backward, rows_forward
 _TRITON_CHUNK_ELEMS = 1 << 25  # logits per token chunk on the Triton path (64 MiB in bf16)
 _TORCH_CHUNK_TOKENS = 2048  # tokens per chunk on the torch path
 _TORCH_TILE_ELEMS = 1 << 23  # float32 logits per (tokens, vocab) tile on the torch path (32 MiB)
+_TORCH_KEEP_BYTES = 256 << 20  # logits the torch path keeps from forward for backward, per call
 
 
 def default_chunk_size(vocab: int, triton_path: bool = True) -> int:
@@ -52,8 +56,9 @@ def _label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, i
     return torch.linalg.vecdot(h.to(cdt), weight[labels].to(cdt)) * inv_temp  # (tokens,)
 
 
-def _torch_chunk_forward(h, weight, labels, inv_temp, with_entropy):
-    """(logp, entropy or None, lse) for one token chunk, online over vocabulary tiles."""
+def _torch_chunk_forward(h, weight, labels, inv_temp, with_entropy, keep: list | None = None):
+    """(logp, entropy or None, lse) for one token chunk, online over vocabulary tiles. `keep`: a list
+    that gets each tile as (logits - m, m), m its rows' running max (for the backward)."""
     vocab = weight.shape[0]
     block = _vocab_block(h.shape[0], vocab)
     m = s = w = None
@@ -73,6 +78,8 @@ def _torch_chunk_forward(h, weight, labels, inv_temp, with_entropy):
                 w = (w + (m - m_new) * s) * scale + torch.linalg.vecdot(p, x)
             s = s * scale + tile_s
         m = m_new
+        if keep is not None:
+            keep.append((x, m_new))
         del x, p
     log_s = torch.log(s)
     lse = m + log_s
@@ -80,16 +87,22 @@ def _torch_chunk_forward(h, weight, labels, inv_temp, with_entropy):
     return logp, (log_s - w / s if with_entropy else None), lse
 
 
-def _torch_chunk_backward(h, weight, labels, lse, ent, g_lp, g_ent, inv_temp, grad_w):
-    """Gradient w.r.t. one token chunk of hidden; adds the chunk's weight gradient into grad_w."""
+def _torch_chunk_backward(h, weight, labels, lse, ent, g_lp, g_ent, inv_temp, grad_w, kept: list | None = None):
+    """Gradient w.r.t. one token chunk of hidden; adds the chunk's weight gradient into grad_w.
+    `kept`: the forward's tiles (`_torch_chunk_forward(keep=)`), used up (in place) instead of recomputed."""
     vocab = weight.shape[0]
     block = _vocab_block(h.shape[0], vocab)
     grad_h = torch.zeros(h.shape, dtype=compute_dtype(weight.dtype), device=h.device)
     rows = torch.arange(h.shape[0], device=h.device)
-    for v0 in range(0, vocab, block):
+    for i, v0 in enumerate(range(0, vocab, block)):
         w_tile = weight[v0:v0 + block]
-        x = _tile_logits(h, w_tile, inv_temp)
-        x.sub_(lse.unsqueeze(-1))  # log p, in place
+        if kept:
+            x, m = kept[i]
+            kept[i] = None
+            x.add_((m - lse).unsqueeze(-1))  # log p, in place
+        else:
+            x = _tile_logits(h, w_tile, inv_temp)
+            x.sub_(lse.unsqueeze(-1))  # log p, in place
         g = torch.exp(x)  # p
         if g_ent is not None:
             # d entropy / dx = -p * (log p + entropy)
@@ -115,11 +128,12 @@ def _torch_chunk_backward(h, weight, labels, lse, ent, g_lp, g_ent, inv_temp, gr
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_temp, with_entropy, chunk, triton_path):
+    def forward(ctx, hidden, weight, labels, inv_temp, with_entropy, chunk, triton_path, keep_bytes):
         tokens = hidden.shape[0]
         logp = torch.empty(tokens, dtype=compute_dtype(weight.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
+        kept = []  # per token chunk of the torch path: its tiles, or None (recomputed in backward)
         for i in range(0, tokens, chunk):
             sl = slice(i, i + chunk)
             if triton_path:
@@ -128,39 +142,48 @@ class _LinearLogProbs(torch.autograd.Function):
                 rows_forward(logits, labels[sl], inv_temp, with_entropy, True, out=out)
                 del logits
             else:
-                c_logp, c_ent, c_lse = _torch_chunk_forward(hidden[sl], weight, labels[sl], inv_temp, with_entropy)
+                nbytes = hidden[sl].shape[0] * weight.shape[0] * logp.element_size()
+                keep = [] if nbytes <= keep_bytes and any(ctx.needs_input_grad[:2]) else None
+                if keep is not None:
+                    keep_bytes -= nbytes
+                c_logp, c_ent, c_lse = _torch_chunk_forward(hidden[sl], weight, labels[sl], inv_temp, with_entropy, keep)
+                kept.append(keep)
                 logp[sl], lse[sl] = c_logp, c_lse
                 if with_entropy:
                     ent[sl] = c_ent
         ctx.save_for_backward(hidden, weight, labels, lse, ent if with_entropy else lse)
         ctx.inv_temp, ctx.with_entropy, ctx.chunk, ctx.triton_path = inv_temp, with_entropy, chunk, triton_path
+        ctx.kept = kept
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, labels, lse, ent = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, []  # used up: a second backward (retain_graph) recomputes
         grad_h, grad_w = backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent if ctx.with_entropy else None,
                                          ctx.inv_temp, ctx.chunk, ctx.triton_path, ctx.needs_input_grad[0],
-                                         ctx.needs_input_grad[1])
-        return grad_h, grad_w, None, None, None, None, None
+                                         ctx.needs_input_grad[1], kept)
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
-def backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent, inv_temp, chunk, triton_path, need_h, need_w):
+def backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent, inv_temp, chunk, triton_path, need_h, need_w,
+                    kept: list | None = None):
     """(grad hidden or None, grad weight or None) of log-probs / entropy given per-token lse and entropy.
 
     Labels outside [0, V) add no label term (the vocabulary-parallel path passes shard-local labels).
+    kept: per token chunk, the forward's tiles or None (torch path; see `_torch_chunk_forward`).
     """
     grad_h = torch.empty_like(hidden) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device) if need_w else None
     grad_dtype = compute_dtype(weight.dtype)
-    for i in range(0, hidden.shape[0], chunk):
+    for n, i in enumerate(range(0, hidden.shape[0], chunk)):
         sl = slice(i, i + chunk)
         h = hidden[sl]  # (chunk, H)
         c_g_lp = None if g_lp is None else g_lp[sl].to(grad_dtype)
         c_g_ent = None if g_ent is None else g_ent[sl].to(grad_dtype)
         if not triton_path:
             c_grad_h = _torch_chunk_backward(h, weight, labels[sl], lse[sl], ent[sl], c_g_lp, c_g_ent, inv_temp,
-                                             grad_w)
+                                             grad_w, kept[n] if kept and n < len(kept) else None)
             if need_h:
                 grad_h[sl] = c_grad_h
             continue
@@ -200,11 +223,14 @@ def check_args(hidden, weight, labels, temperature, chunk_size, weight_name: str
 
 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                     return_entropy: bool = False, chunk_size: int | None = None, backend: str = "auto"):
+                     return_entropy: bool = False, chunk_size: int | None = None, backend: str = "auto",
+                     keep_logits_bytes: int | None = None):
     """log softmax(hidden @ weight.T / T) at `labels`, labels' shape; entropy if asked.
 
     hidden: (..., H); weight: (V, H) (lm_head or the tied embedding); labels: (...) ids in [0, V).
     chunk_size: tokens per chunk (default: about 32M logits on CUDA, 2048 tokens on the torch path).
+    keep_logits_bytes: on the torch path, how much of the forward's logits backward reuses instead of
+    recomputing (default 256 MiB; 0 recomputes all). Only when a gradient is wanted.
     Outputs are float32, or float64 for float64 weights (which take the torch path).
     Returns `log_probs` or `(log_probs, entropy)`; differentiable w.r.t. hidden and weight.
     A DTensor weight sharded along the vocabulary (tensor parallelism) takes the vocabulary-parallel
@@ -217,8 +243,9 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         return dtensor_log_probs(hidden, weight, labels, temperature, return_entropy, chunk_size, backend)
     flat, chunk, triton_path = flat_inputs(hidden, weight, chunk_size, backend)
     shape = labels.shape
+    keep = _TORCH_KEEP_BYTES if keep_logits_bytes is None else int(keep_logits_bytes)
     logp, ent = _LinearLogProbs.apply(flat, weight, labels.reshape(-1).long(), 1.0 / float(temperature),
-                                      bool(return_entropy), chunk, triton_path)
+                                      bool(return_entropy), chunk, triton_path, keep)
     if return_entropy:
         return logp.view(shape), ent.view(shape)
     return logp.view(shape)

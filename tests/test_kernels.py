@@ -229,6 +229,39 @@ def test_linear_log_probs_torch_path(dtype, chunk):
     assert_rel(gw, rw, dtype, "grad weight")
 
 
+@pytest.mark.parametrize("keep", [0, 1 << 20, 3 * 301 * 4])  # none kept; all; the first 3-token chunk only
+def test_linear_log_probs_torch_path_keeps_forward_logits(monkeypatch, keep):
+    """Backward reuses the forward's logit tiles within `keep_logits_bytes` (no recompute of those), and
+    the gradients still match float64 (tiles of 256 vocabulary entries: the last one ragged)."""
+    from tinyzero.kernels import linear_logprobs as ll
+
+    monkeypatch.setattr(ll, "_TORCH_TILE_ELEMS", 600)  # (3 tokens, 301 vocab) -> tiles of 256 and 45
+    calls = []
+    tile_logits = ll._tile_logits
+    monkeypatch.setattr(ll, "_tile_logits", lambda *a: calls.append(1) or tile_logits(*a))
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 6, 16, generator=g).requires_grad_(True)
+    weight = (torch.randn(301, 16, generator=g) / 4).requires_grad_(True)
+    labels = torch.randint(0, 301, (2, 6), generator=g)
+    logp, ent = linear_log_probs(hidden, weight, labels, 0.9, return_entropy=True, chunk_size=3, backend="torch",
+                                 keep_logits_bytes=keep)
+    forward_calls = len(calls)
+    assert forward_calls == 4 * 2  # 4 token chunks x 2 vocabulary tiles
+    h64 = hidden.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    ref_lp, ref_ent = ref_linear(h64, w64, labels, 0.9)
+    g_lp, g_ent = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)
+    gh, gw = torch.autograd.grad((logp * g_lp + ent * g_ent).sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad((ref_lp * g_lp + ref_ent * g_ent).sum(), (h64, w64))
+    recomputed_chunks = {0: 4, 1 << 20: 0, 3 * 301 * 4: 3}[keep]
+    assert len(calls) - forward_calls == 2 * recomputed_chunks
+    assert_rel(gh, rh, torch.float32, "grad hidden")
+    assert_rel(gw, rw, torch.float32, "grad weight")
+    with torch.no_grad():  # nothing to keep without a gradient
+        calls.clear()
+        linear_log_probs(hidden, weight, labels, chunk_size=3, backend="torch", keep_logits_bytes=keep)
+
+
 def test_linear_log_probs_tied_embedding():
     """lm_head tied to the input embedding: the weight gradient sums both uses."""
     torch.manual_seed(3)
