@@ -194,6 +194,8 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
     from tinyzero.trainer.loggers import read_metrics
 
     run_dir = os.path.join(work, f"ours_{tag}")
+    if os.path.exists(run_dir):  # train.py would resume it and the figures would be the old run's
+        raise SystemExit(f"{run_dir} holds an earlier run; give vs_trl an empty --work folder")
     a, r = "--actor_rollout_ref.actor", "--actor_rollout_ref.rollout"
     flags = [
         "--preset", "demo_cpu", f"--actor_rollout_ref.model.path={model}",

@@ -4,8 +4,9 @@ The all-gather and reduce-scatter must equal gloo's (bit for bit: the sum runs i
 plain loop in rank order is the reference) for flat tensors of several dtypes, through slots far
 smaller than the tensors (many pieces, a ragged last one). An FSDP2 model whose collectives go through
 the segment must train exactly like the same model on gloo (gradients and parameters after two AdamW
-steps identical), and the segment must really carry them, and the weight sync's gathers. A peer that never arrives makes the other
-rank raise within the timeout, naming it. Budget: ~20 s.
+steps identical), and the segment must really carry them and the weight sync's gathers. A peer that
+never arrives makes the other rank raise within the timeout, naming it; one whose process is gone, at
+once. Budget: ~40 s.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def test_fsdp_trains_the_same_through_shared_memory():
         assert calls == {"all_gather_into": 2 * 6, "reduce_scatter_into": 2 * 3, "sync": 1}
 
 
-def _absent_peer_worker():
+def _absent_peer_worker(peer_gone: bool):
+    import subprocess
     import time
 
     import torch.distributed as dist
@@ -148,10 +150,13 @@ def _absent_peer_worker():
     from tinyzero.shm_comm import ShmComm
 
     dist.init_process_group("gloo")
-    comm = ShmComm(dist.group.WORLD, 256, timeout_s=2.0, what="test exchange")
+    comm = ShmComm(dist.group.WORLD, 256, timeout_s=600.0 if peer_gone else 2.0, what="test exchange")
     if dist.get_rank() == 1:
         time.sleep(6)  # never takes part
         return "absent"
+    if peer_gone:  # as if rank 1 had exited: its pid is one that has ended
+        comm._pids[1] = subprocess.Popen(["true"]).pid
+        time.sleep(0.5)
     start = time.monotonic()
     try:
         comm.all_gather(torch.ones(4))
@@ -161,7 +166,13 @@ def _absent_peer_worker():
 
 
 def test_a_missing_peer_raises_within_the_timeout():
-    (message, waited), absent = run_distributed(_absent_peer_worker, 2, timeout=60)
+    (message, waited), absent = run_distributed(_absent_peer_worker, 2, False, timeout=60)
     assert absent == "absent"
     assert "test exchange: rank 0 waited 2 s for rank 1" in message and "died or is stuck" in message
     assert waited < 5
+
+
+def test_a_peer_that_exited_raises_at_once():
+    (message, waited), _ = run_distributed(_absent_peer_worker, 2, True, timeout=60)
+    assert "test exchange: rank 1 of the group (pid" in message and "exited while rank 0 waited" in message
+    assert waited < 4  # not the 600 s timeout

@@ -9,8 +9,10 @@ can instead exchange through a segment they all map.
   a reader waits for every peer's number, then reads their slots (x86 keeps stores in program order and
   loads in program order, so a slot written before the number is whole when the number is seen). Two
   buffers alternate, so a rank writes the next exchange while a slow peer still reads the last one.
-  Exchanges larger than a slot go through it in pieces. A peer that does not arrive within `timeout_s`
-  raises (it died or hangs), naming it: no collective here waits forever.
+  Exchanges larger than a slot go through it in pieces. A waiting rank checks about once a second that
+  the peers' processes still run (their pids are in the segment) and raises at once, naming the rank,
+  when one is gone; a peer that lives but does not arrive within `timeout_s` raises too (it hangs): no
+  collective here waits forever.
 * `ShmAllGather` / `ShmReduceScatter`: FSDP2's custom-collective hooks (`FSDPModule.set_custom_all_gather`
   and `set_custom_reduce_scatter`) on a `ShmComm`. `use_shm_collectives(modules, group)` installs them
   when `intra_host_cpu_group(group)`; any other group, or a reduction other than sum / average, falls
@@ -82,10 +84,14 @@ class ShmComm:
             if self.rank == 0:
                 os.unlink(name[0])
         self._mem = mem
-        self._flags = mem[:header].view(torch.int64).numpy()  # rank k's number at [8 * k]
+        self._flags = mem[:header].view(torch.int64).numpy()  # rank k's number at [8 * k], its pid at [8 * k + 1]
         self._slots = mem[header:].view(2, self.size, nbytes)
         self.capacity = nbytes
         self._seq = 0
+        self._flags[8 * self.rank + 1] = os.getpid()
+        dist.barrier(group=self.group)  # every pid written
+        # 0: a peer whose pid this process cannot see (another pid namespace) is not checked
+        self._pids = [pid if _running(pid) else 0 for pid in (int(self._flags[8 * k + 1]) for k in range(self.size))]
 
     def reserve(self, nbytes: int) -> None:
         """Room for exchanges of up to `nbytes` per rank: a collective call (every rank asks the same)."""
@@ -94,18 +100,24 @@ class ShmComm:
             self._map(max(nbytes, 2 * self.capacity))
 
     def _wait(self, seq: int) -> None:
-        flags, spins, start = self._flags, 0, None
+        flags, spins, start, checked = self._flags, 0, None, 0.0
         for k in range(self.size):
             while flags[8 * k] < seq:
                 spins += 1
                 if spins > 2000:
                     os.sched_yield()  # a peer sharing this core gets to run
                 if spins % 4096 == 0:
-                    start = start or time.monotonic()
-                    if time.monotonic() - start > self.timeout_s:
+                    now = time.monotonic()
+                    start = start or now
+                    if now - start > self.timeout_s:
                         raise RuntimeError(
                             f"{self.what}: rank {self.rank} waited {self.timeout_s:.0f} s for rank {k} of its group "
                             f"at exchange {seq}; that rank died or is stuck")
+                    if now - checked > 1.0 and self._pids[k]:
+                        checked = now
+                        if not _running(self._pids[k]):
+                            raise RuntimeError(f"{self.what}: rank {k} of the group (pid {self._pids[k]}) exited while "
+                                               f"rank {self.rank} waited for it at exchange {seq}")
 
     def exchange(self, nbytes: int, write: Callable[[torch.Tensor], object]) -> torch.Tensor:
         """One exchange: `write(slot)` fills this rank's (nbytes,) uint8 slot; returns every rank's slot,
@@ -174,6 +186,23 @@ class ShmComm:
                 out.add_(t)
         if average:
             output.div_(self.size)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def _typed(slot: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

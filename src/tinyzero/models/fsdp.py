@@ -12,6 +12,8 @@ lm_head / score head) is the last; a 1-D mesh ("dp_shard",) shards over all its 
 (tinyzero.parallel.ParallelDims owns the layout).
 Parameters stay fp32 (master weights); MixedPrecisionPolicy casts them to bf16 for compute
 on GPU and reduces gradients in fp32; on CPU everything is fp32.
+On CPU ranks of one x86 host the units' all-gathers and reduce-scatters go through a shared-memory
+segment (tinyzero.shm_comm, `fsdp_config.shm_collectives`) instead of gloo's TCP loopback.
 """
 
 from __future__ import annotations
