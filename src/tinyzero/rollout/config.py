@@ -66,7 +66,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     """Ranks per tensor-parallel group (consecutive ranks); data-parallel across groups. vLLM splits
     every layer over the group; the native engine (fused decoder) splits the MLPs and lm_head and
-    gives each rank a share of the rows to attend for (rollout/decoder.py, set_tensor_parallel)."""
+    gives each rank a share of the rows to attend for (rollout/decoder_tp.py)."""
     enforce_eager: bool = True
     """vLLM: run eagerly (no CUDA graphs / torch.compile)."""
     max_num_batched_tokens: int = 8192

@@ -19,7 +19,9 @@ Two implementations behind one call, `decoder(input_ids, position_ids, key_valid
   residual stream in place. lm_head runs on the last position only. Unmerged LoRA adapters
   (rollout.lora_merge=false) add x A^T B^T * scale beside the fused q/k/v and gate/up matmuls
   (`fuse_lora`, `add_lora`); adapted o/down projections run as their LoraLinear modules.
-* `HFDecoder` -- drives any HF causal LM with its own `DynamicCache` (any architecture).
+  Over a tensor-parallel group (rollout.tensor_model_parallel_size > 1) its decode step is
+  `decode_step_tp` (decoder_tp.py).
+* `HFDecoder` (hf_decoder.py) -- drives any HF causal LM with its own `DynamicCache` (any architecture).
 
 Prefix sharing (group_size g > 1, rollout.native_prefix_sharing): the prefill runs on the distinct
 prompts only and each prompt is decoded as g rows. "copy": the prefill's keys and values are written
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyzero.rollout.attention import attention_mask, decode_attention, shared_decode_attention
+from tinyzero.rollout.decoder_tp import TensorParallelDecoding
 from tinyzero.rollout.fused_ops import (
     act_fn,
     add_lora,
@@ -70,6 +73,7 @@ from tinyzero.rollout.fused_ops import (
     rms_norm,
     weight_t,
 )
+from tinyzero.rollout.hf_decoder import HFDecoder
 from tinyzero.rollout.kv_cache import GroupKVCache, KVCache
 
 FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -97,7 +101,7 @@ COMPACT_MIN_HIDDEN = 256
 """Hidden size from which the fused decoder computes only the rows still generating."""
 
 
-class FusedDecoder:
+class FusedDecoder(TensorParallelDecoding):
     """Static-KV-cache forward over the weights of a Llama-family HF model (see module docstring)."""
 
     def __init__(self, model: nn.Module, compile: bool = False):
@@ -166,46 +170,6 @@ class FusedDecoder:
         self.lm_head_wt = weight_t(self.lm_head)
         if self.comm is not None:
             self._fuse_tensor_parallel()
-
-    def _fuse_tensor_parallel(self) -> None:
-        """This rank's shards as views of the full weights: columns rank*I/T .. of gate and up (rows of
-        their weights), the same rows of down's (in, out) view, and a 1/T block of lm_head's vocabulary
-        (the last one shorter when T does not divide it)."""
-        T, r = self.comm.size, self.comm.rank
-        self.tp_lm_head_wt = None
-        for layer, f in zip(self.layers, self.fused):
-            m = layer.mlp
-            inter = m.gate_proj.weight.shape[0]
-            if inter % T or f["down_wt"] is None or f["gate_up_lora"] is not None:
-                return
-            n = inter // T
-            gu = f["gate_up_w"].view(2, T, n, -1)  # [gate | up] rows, each in T blocks
-            f["tp_gate_wt"], f["tp_up_wt"] = gu[0, r].t(), gu[1, r].t()
-            f["tp_down_wt"] = f["down_wt"][r * n:(r + 1) * n]
-        if self.lm_head_wt is None:
-            return
-        vocab = self.lm_head.weight.shape[0]
-        per = -(-vocab // T)
-        self.tp_vocab = (vocab, per)
-        self.tp_lm_head_wt = self.lm_head.weight[r * per:(r + 1) * per].t()
-
-    def set_tensor_parallel(self, comm) -> None:
-        """Decode over a tensor-parallel group (rollout.tensor_model_parallel_size), every rank holding the
-        whole batch: each attends for its 1/T of the prompts' rows (their KV cache only) and computes a
-        1/T column block of every MLP and of lm_head for all rows; the attention rows are all-gathered and
-        the MLP's partial sums all-reduced once per layer, the logits' vocabulary blocks gathered once per
-        step. A decode step then reads 1/T of the MLP and lm_head weights for T times the rows (decode is
-        bound by reading the weights at small batches). The residual stream, the logits and so the samples
-        are the same on every rank. A batch whose prompts do not split evenly, unmerged LoRA adapters or an
-        intermediate size T does not divide decode on every rank alone (the same tokens, T times the work)."""
-        if self._compiled is not None:
-            raise ValueError("rollout.native_compile does not combine with rollout.tensor_model_parallel_size > 1")
-        self.comm = comm
-        self._fuse()
-
-    def _tp_ready(self) -> bool:
-        return self.comm is not None and self.comm.size > 1 and self.tp_lm_head_wt is not None \
-            and all("tp_down_wt" in f for f in self.fused)
 
     def _fusion_intact(self) -> bool:
         if len(self.fused) != len(self.layers):
@@ -427,44 +391,6 @@ class FusedDecoder:
             x.add_(self._mlp_decode(f, f["post_norm"](x)))
         return mm(self.final_norm(x), self.lm_head_wt, self.lm_head).float()
 
-    def decode_step_tp(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
-                       kv: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor | None = None,
-                       group_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                       active: torch.Tensor | None = None) -> torch.Tensor:
-        """`decode_step` over the tensor-parallel group (set_tensor_parallel): token, cos, sin and `active`
-        cover every row of the batch; bias, kv and group_kv this rank's rows [lo, hi). The residual stream
-        x holds every (active) row on every rank."""
-        comm, (lo, hi) = self.comm, self.tp_rows
-        if active is None:
-            x = F.embedding(token, self.embed.weight)  # (B, hidden)
-            cos, sin, own, local = cos[lo:hi], sin[lo:hi], None, None
-        else:
-            x = F.embedding(token[active], self.embed.weight)  # (A, hidden)
-            mine = (active >= lo) & (active < hi)
-            own = mine.nonzero().squeeze(1)  # this rank's rows among the active ones
-            local = active[own] - lo  # ... as indices into its own rows
-            cos, sin = cos[active[own]], sin[active[own]]
-        for i, (f, layer_kv) in enumerate(zip(self.fused, kv)):
-            h = f["input_norm"](x)
-            h = h[lo:hi] if own is None else h[own]
-            if group_kv is None:
-                a = self._attention_decode(f, h, cos, sin, bias, layer_kv, local)
-            else:
-                a = self._attention_decode_shared(f, h, cos, sin, bias, slots, layer_kv, group_kv[i], local)
-            if own is not None:  # the same shape on every rank: this rank's rows, zero where stopped
-                a = a.new_zeros((hi - lo, a.shape[1])).index_copy_(0, local, a)
-            a = comm.all_gather(a).view(-1, a.shape[1])  # (B, hidden)
-            x.add_(a if active is None else a[active])
-            h = f["post_norm"](x)
-            y = torch.mm(f["act"](torch.mm(h, f["tp_gate_wt"])).mul_(torch.mm(h, f["tp_up_wt"])), f["tp_down_wt"])
-            x.add_(comm.all_reduce_(y))
-        logits = torch.mm(self.final_norm(x), self.tp_lm_head_wt)  # (rows, this rank's vocabulary block)
-        vocab, per = self.tp_vocab
-        if logits.shape[1] < per:
-            logits = F.pad(logits, (0, per - logits.shape[1]))
-        parts = comm.all_gather(logits)  # (T, rows, per)
-        return parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, :vocab].float()
-
     def _run_decode(self, token, cos, sin, bias, slots: torch.Tensor | None = None,
                     active: torch.Tensor | None = None) -> torch.Tensor:
         """decode_step, compiled when asked; a compile failure warns once and the step runs eagerly
@@ -543,41 +469,6 @@ def _all_rows(tensors: tuple[torch.Tensor, ...], active: torch.Tensor | None, ro
     if active is None:
         return tensors
     return tuple(t.new_zeros((rows, *t.shape[1:])).index_copy_(0, active, t) for t in tensors)
-
-
-class HFDecoder:
-    """Drives the HF model itself with a DynamicCache: slower, but runs any causal LM. With prefix sharing
-    (group_size > 1) the prompts are prefilled once and the cache is expanded by index to their rows
-    before the first decode step (saves the prefill; the decode steps read a per-row copy)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.cache = None
-        self.group_size = 1
-        self._expanded = True
-
-    def reset(self, num_prompts: int, prompt_len: int, response_len: int, group_size: int = 1,
-              shared_kv: bool = False) -> None:
-        """A fresh cache; group_size > 1 expands it by index after the prefill (shared_kv is ignored)."""
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-        self.group_size = group_size
-        self._expanded = group_size == 1
-
-    def release(self) -> None:
-        self.cache = None
-
-    @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_valid: torch.Tensor,
-                 start: int) -> torch.Tensor:
-        if start > 0 and not self._expanded:  # first decode step: prompt i's cache -> rows i*g .. i*g+g-1
-            self.cache.batch_repeat_interleave(self.group_size)
-            self._expanded = True
-        out = self.model(input_ids=input_ids, attention_mask=key_valid.long(), position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
-        return out.logits[:, -1].float()
 
 
 def build_decoder(model: nn.Module, impl: str = "auto", compile: bool = False):
