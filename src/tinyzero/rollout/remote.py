@@ -69,17 +69,12 @@ carries "weight_version" and the metrics rollout/remote_retries and rollout/remo
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
@@ -91,89 +86,23 @@ from tinyzero.rollout.outputs import (
     raw_prompt_token_ids,
     repeat_prompts,
 )
+from tinyzero.rollout.remote_http import (
+    HTTPStatus,
+    RemoteRolloutError,
+    Reply,
+    Server,
+    Transient,
+    http_json,
+    no_ids_error,
+    reply_choices,
+)
 
 VERSION_PREFIX = "tinyzero-"
 LOADING_PREFIX = "loading-"
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
-TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 8.0
-
-
-class RemoteRolloutError(RuntimeError):
-    """A rollout server failed (after retries, or with a non-transient error)."""
-
-
-class _Transient(Exception):
-    """A failure worth retrying."""
-
-
-class _HTTPStatus(RemoteRolloutError):
-    """A non-transient HTTP error answer (its status in `code`)."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-class _Server:
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
-        self.outstanding = 0
-        self.served = 0
-        self.labelled = False  # offers /inference/v1/generate (weight version spans per response)
-
-
-@dataclass
-class _Reply:
-    """One prompt's samples from one server: token ids and log-probs per sample, and the weight
-    version labels each sample was produced under (labelled: its tokens' spans; bracketed: the
-    server's label before and after the request)."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    server: _Server
-    labels: list[set]
-
-
-def _http(url: str, body: dict | None, timeout: float) -> dict | None:
-    """One HTTP call (POST with a JSON body, or GET when body is None) -> the JSON reply (None if empty).
-    Raises _Transient for failures worth retrying and _HTTPStatus (a RemoteRolloutError) for the others."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:500].decode(errors="replace")
-        if e.code in TRANSIENT_HTTP:
-            raise _Transient(f"{url}: HTTP {e.code}: {detail}") from e
-        raise _HTTPStatus(f"{url} answered HTTP {e.code}: {detail}", e.code) from e
-    except (http.client.HTTPException, OSError) as e:  # URLError, ConnectionError, TimeoutError are OSErrors
-        reason = getattr(e, "reason", e)
-        raise _Transient(f"{url}: {type(reason).__name__}: {reason}") from e
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise _Transient(f"{url}: reply is not JSON ({raw[:200]!r})") from e
-
-
-def _choices(reply: dict | None, want: int, server: _Server, what: str) -> list[dict]:
-    choices = sorted((reply or {}).get("choices") or [], key=lambda c: c.get("index", 0))
-    if len(choices) != want:
-        raise RemoteRolloutError(f"remote rollout: {server.url} returned {len(choices)} choices for {what}, "
-                                 f"expected {want}")
-    return choices
-
-
-def _no_ids(server: _Server, what: str) -> RemoteRolloutError:
-    return RemoteRolloutError(
-        f"remote rollout: {server.url} returned no token ids with log-probs for {what}; the server must accept "
-        "token-id prompts and logprobs with return_token_ids or return_tokens_as_token_ids")
 
 
 class RemoteRollout:
@@ -185,7 +114,7 @@ class RemoteRollout:
         self.config = config
         self.dp_rank = dp_rank
         self.num_calls = 0
-        self.servers = [_Server(u) for u in config.server_urls]
+        self.servers = [Server(u) for u in config.server_urls]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=config.remote_max_concurrency,
                                         thread_name_prefix="remote-rollout")
@@ -199,14 +128,14 @@ class RemoteRollout:
         self.model = self._check_fleet()
 
     # ------------------------------------------------------------------ HTTP with retries
-    def _pick(self, avoid: _Server | None) -> _Server:
+    def _pick(self, avoid: Server | None) -> Server:
         with self._lock:
             choices = [s for s in self.servers if s is not avoid] or self.servers
             server = min(choices, key=lambda s: s.outstanding)
             server.outstanding += 1
             return server
 
-    def _attempts(self, attempt_fn, what: str, server: _Server | None = None, timeout: float | None = None):
+    def _attempts(self, attempt_fn, what: str, server: Server | None = None, timeout: float | None = None):
         """attempt_fn(target server, timeout) on `server` (None: the least-loaded one, another one on each
         retry), retrying transient failures with exponential backoff; returns (its result, the server)."""
         timeout = self.config.remote_timeout_s if timeout is None else timeout
@@ -223,7 +152,7 @@ class RemoteRollout:
                 result = attempt_fn(target, timeout)
                 target.served += 1
                 return result, target
-            except _Transient as e:
+            except Transient as e:
                 last, avoid = str(e), target
             except RemoteRolloutError as e:
                 raise RemoteRolloutError(f"remote rollout: {e} ({what})") from None
@@ -237,18 +166,18 @@ class RemoteRollout:
         raise RemoteRolloutError(f"remote rollout: {what} failed {attempts} times (rollout.remote_max_retries="
                                  f"{self.config.remote_max_retries}, timeout {timeout} s); last error: {last}")
 
-    def _call(self, path: str, body: dict | None, what: str, server: _Server | None = None,
-              timeout: float | None = None) -> tuple[dict | None, _Server]:
+    def _call(self, path: str, body: dict | None, what: str, server: Server | None = None,
+              timeout: float | None = None) -> tuple[dict | None, Server]:
         """POST/GET `path` with `_attempts`; returns (reply, the server that answered)."""
-        return self._attempts(lambda target, t: _http(target.url + path, body, t), what, server, timeout)
+        return self._attempts(lambda target, t: http_json(target.url + path, body, t), what, server, timeout)
 
-    def _offers_labels(self, server: _Server) -> bool:
+    def _offers_labels(self, server: Server) -> bool:
         """Whether `server` serves /inference/v1/generate: an empty request is refused as invalid (400/422)
         there, and as absent or disabled (404/405, or 403 without --enable-scale-out) elsewhere."""
-        def probe(target: _Server, timeout: float) -> bool:
+        def probe(target: Server, timeout: float) -> bool:
             try:
-                _http(target.url + GENERATE_PATH, {}, timeout)
-            except _HTTPStatus as e:
+                http_json(target.url + GENERATE_PATH, {}, timeout)
+            except HTTPStatus as e:
                 return e.code in (400, 422)
             return False
 
@@ -286,55 +215,55 @@ class RemoteRollout:
             "logprobs": 0, "skip_special_tokens": False,
         }
 
-    def _ask_labelled(self, server: _Server, ids: list[int], params: SamplingParams, seed: int, timeout: float,
-                      what: str) -> _Reply:
+    def _ask_labelled(self, server: Server, ids: list[int], params: SamplingParams, seed: int, timeout: float,
+                      what: str) -> Reply:
         body = {"model": self.model, "token_ids": ids, "sampling_params": {**self._sampling(params, seed),
                                                                           "detokenize": False}}
-        reply = _http(server.url + GENERATE_PATH, body, timeout)
+        reply = http_json(server.url + GENERATE_PATH, body, timeout)
         tokens, logprobs, labels = [], [], []
-        for c in _choices(reply, 1 if params.greedy else params.n, server, what):
+        for c in reply_choices(reply, 1 if params.greedy else params.n, server, what):
             toks, content = c.get("token_ids"), (c.get("logprobs") or {}).get("content")
             if toks is None or content is None or [e.get("token_id") for e in content] != toks:
-                raise _no_ids(server, what)
+                raise no_ids_error(server, what)
             tokens.append([int(t) for t in toks])
             logprobs.append([float(e["logprob"]) for e in content])
             labels.append({span.get("version") for span in c.get("weight_versions") or [{}]})
-        return _Reply(tokens, logprobs, server, labels)
+        return Reply(tokens, logprobs, server, labels)
 
-    def _ask_bracketed(self, server: _Server, ids: list[int], params: SamplingParams, seed: int, timeout: float,
-                       what: str) -> _Reply:
+    def _ask_bracketed(self, server: Server, ids: list[int], params: SamplingParams, seed: int, timeout: float,
+                       what: str) -> Reply:
         check = self.version is not None
         before = self._read_label(server, timeout) if check else None
         body = {"model": self.model, "prompt": ids, **self._sampling(params, seed), "return_token_ids": True,
                 "return_tokens_as_token_ids": True, "add_special_tokens": False}
-        reply = _http(server.url + COMPLETIONS_PATH, body, timeout)
+        reply = http_json(server.url + COMPLETIONS_PATH, body, timeout)
         after = self._read_label(server, timeout) if check else None
         tokens, logprobs = [], []
-        for c in _choices(reply, 1 if params.greedy else params.n, server, what):
+        for c in reply_choices(reply, 1 if params.greedy else params.n, server, what):
             lp = c.get("logprobs") or {}
             toks = c.get("token_ids")
             if toks is None and lp.get("tokens") is not None:
                 toks = [int(t.split("token_id:", 1)[1]) for t in lp["tokens"]]
             lps = lp.get("token_logprobs")
             if toks is None or lps is None or len(lps) != len(toks):
-                raise _no_ids(server, what)
+                raise no_ids_error(server, what)
             tokens.append([int(t) for t in toks])
             logprobs.append([float(x) for x in lps])
-        return _Reply(tokens, logprobs, server, [{before, after}] * len(tokens))
+        return Reply(tokens, logprobs, server, [{before, after}] * len(tokens))
 
-    def _generate_one(self, row: int, ids: list[int], params: SamplingParams, seed: int) -> _Reply:
+    def _generate_one(self, row: int, ids: list[int], params: SamplingParams, seed: int) -> Reply:
         what = f"prompt row {row} ({len(ids)} tokens, n={params.n})"
 
-        def attempt(server: _Server, timeout: float) -> _Reply:
+        def attempt(server: Server, timeout: float) -> Reply:
             ask = self._ask_labelled if server.labelled else self._ask_bracketed
             return ask(server, ids, params, seed, timeout, what)
 
         reply, _ = self._attempts(attempt, what)
         want = params.n // len(reply.tokens)  # greedy: one sample, copied n times
-        return _Reply(reply.tokens * want, reply.logprobs * want, reply.server, reply.labels * want)
+        return Reply(reply.tokens * want, reply.logprobs * want, reply.server, reply.labels * want)
 
-    def _run(self, rows: list[int], prompt_ids: list[list[int]], params: SamplingParams) -> dict[int, _Reply]:
-        """Generate for the given prompt rows concurrently -> {row: _Reply}. On the first failure the rows
+    def _run(self, rows: list[int], prompt_ids: list[list[int]], params: SamplingParams) -> dict[int, Reply]:
+        """Generate for the given prompt rows concurrently -> {row: Reply}. On the first failure the rows
         not yet started are cancelled and the error is raised."""
         futures = {self._pool.submit(self._generate_one, i, prompt_ids[i], params, params.seed + i * params.n): i
                    for i in rows}
@@ -351,10 +280,10 @@ class RemoteRollout:
         """Whether a server's weight label is a reload of the version this engine synced."""
         return label is not None and self.version is not None and label.startswith(self.version + ".")
 
-    def _accepted(self, reply: _Reply) -> bool:
+    def _accepted(self, reply: Reply) -> bool:
         return self.version is None or all(len(s) == 1 and self._is_current(next(iter(s))) for s in reply.labels)
 
-    def _regenerate_stale(self, results: dict[int, _Reply], prompt_ids: list[list[int]],
+    def _regenerate_stale(self, results: dict[int, Reply], prompt_ids: list[list[int]],
                           params: SamplingParams) -> int:
         """Send again the prompts whose samples carry labels other than one current label (after reloading
         their server when its label is not current), at most remote_max_retries rounds; returns the number
@@ -402,14 +331,14 @@ class RemoteRollout:
 
     # ------------------------------------------------------------------ weights
     @staticmethod
-    def _read_label(server: _Server, timeout: float) -> str | None:
-        return (_http(server.url + "/weight_info", None, timeout) or {}).get("weight_version")
+    def _read_label(server: Server, timeout: float) -> str | None:
+        return (http_json(server.url + "/weight_info", None, timeout) or {}).get("weight_version")
 
-    def _server_version(self, server: _Server) -> str | None:
+    def _server_version(self, server: Server) -> str | None:
         label, _ = self._attempts(self._read_label, f"reading the weight version of {server.url}", server=server)
         return label
 
-    def _reload(self, server: _Server) -> None:
+    def _reload(self, server: Server) -> None:
         """Load this engine's snapshot into `server` and label it with this engine's version and a fresh
         nonce; the label changes before the weights do (see the module docstring)."""
         what = f"weight sync {self.version} of {server.url} from {self.snapshot}"
