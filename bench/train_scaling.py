@@ -76,11 +76,42 @@ class CollectiveCounter(TorchDispatchMode):
 
     Sees c10d ops (what torch.distributed's collectives and FSDP2 call) and functional collectives
     (what DTensor calls). A collective's bytes are those of its largest tensor argument or output.
+    On one CPU host FSDP2's all-gathers and reduce-scatters go through a shared-memory segment
+    (tinyzero.shm_comm), not c10d: they are counted under the c10d ops they stand in for.
     """
+
+    SHM_OPS = {"all_gather_into": "_allgather_base_", "reduce_scatter_into": "_reduce_scatter_base_"}
 
     def __init__(self):
         super().__init__()
         self.ops: dict[str, list[int]] = {}
+        self._shm_saved: dict = {}
+
+    def _count(self, name: str, tensors) -> None:
+        entry = self.ops.setdefault(name, [0, 0])
+        entry[0] += 1
+        entry[1] += max((t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)), default=0)
+
+    def __enter__(self):
+        from tinyzero.shm_comm import ShmComm
+
+        for method, name in self.SHM_OPS.items():
+            original = self._shm_saved[method] = getattr(ShmComm, method)
+
+            def counted(comm, output, input, *args, _original=original, _name=name, **kwargs):
+                self._count(_name, (output, input))
+                return _original(comm, output, input, *args, **kwargs)
+
+            setattr(ShmComm, method, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from tinyzero.shm_comm import ShmComm
+
+        for method, original in self._shm_saved.items():
+            setattr(ShmComm, method, original)
+        self._shm_saved = {}
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -91,11 +122,7 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func.namespace in COLLECTIVE_NAMESPACES and func._opname not in NOT_COLLECTIVES:
-            sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                     if isinstance(t, torch.Tensor)]
-            entry = self.ops.setdefault(func._opname, [0, 0])
-            entry[0] += 1
-            entry[1] += max(sizes, default=0)
+            self._count(func._opname, tree_leaves((args, kwargs, out)))
         return out
 
     def summary(self) -> dict:
