@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 _CACHE_LINE = 64
@@ -218,45 +219,35 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- FSDP2 hooks
 
 
-def _fsdp_api():
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+class _ShmCollective:
+    """FSDP2's custom-collective hook on `comm`: fresh output buffers (FSDP2 keeps them past the call)."""
 
-    return AllGather, ReduceScatter
+    def __init__(self, comm: ShmComm):
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
-def _alloc(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class ShmAllGather(_ShmCollective, AllGather):
+    """FSDP2 all-gather through `comm` (its group only; another group goes to torch.distributed)."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if group is not self.comm.group:
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        self.comm.all_gather_into(output_tensor, input_tensor)
+        return None  # done: FSDP2 waits on a Work only when one is returned
 
 
-def _make_hooks(comm: ShmComm):
-    AllGather, ReduceScatter = _fsdp_api()
+class ShmReduceScatter(_ShmCollective, ReduceScatter):
+    """FSDP2 reduce-scatter (sum or average) through `comm`; other reductions go to torch.distributed."""
 
-    class ShmAllGather(AllGather):
-        """FSDP2 all-gather through `comm` (its group only; another group goes to torch.distributed)."""
-
-        def allocate(self, size, *, dtype, device):
-            return _alloc(size, dtype, device)
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if group is not comm.group:
-                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-            comm.all_gather_into(output_tensor, input_tensor)
-            return None  # done: FSDP2 waits on a Work only when one is returned
-
-    class ShmReduceScatter(ReduceScatter):
-        """FSDP2 reduce-scatter (sum or average) through `comm`; other reductions go to torch.distributed."""
-
-        def allocate(self, size, *, dtype, device):
-            return _alloc(size, dtype, device)
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            kind = op if isinstance(op, dist.ReduceOp.RedOpType) else None
-            if group is not comm.group or kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            comm.reduce_scatter_into(output_tensor, input_tensor, average=kind == dist.ReduceOp.AVG)
-            return None
-
-    return ShmAllGather(), ShmReduceScatter()
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        kind = op if isinstance(op, dist.ReduceOp.RedOpType) else None
+        if group is not self.comm.group or kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        self.comm.reduce_scatter_into(output_tensor, input_tensor, average=kind == dist.ReduceOp.AVG)
+        return None
 
 
 _COMMS: dict = {}  # process group -> the ShmComm its FSDP2 modules use (one segment per group)
@@ -278,7 +269,7 @@ def use_shm_collectives(modules, group, device: torch.device, timeout_s: float,
         if not intra_host_cpu_group(group, device):
             return None
         comm = _COMMS[group] = ShmComm(group, slot_bytes, timeout_s=timeout_s, what="FSDP collective")
-    all_gather, reduce_scatter = _make_hooks(comm)
+    all_gather, reduce_scatter = ShmAllGather(comm), ShmReduceScatter(comm)
     for module in modules:
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
