@@ -72,6 +72,7 @@ from tinyzero.rollout.fused_ops import (
     norm_fn,
     rms_norm,
     weight_t,
+    wide_mm,
 )
 from tinyzero.rollout.hf_decoder import HFDecoder
 from tinyzero.rollout.kv_cache import GroupKVCache, KVCache
@@ -363,7 +364,7 @@ class FusedDecoder(TensorParallelDecoding):
     def _mlp_decode(self, f: dict, x: torch.Tensor) -> torch.Tensor:
         """x (B, hidden): torch.mm on the fused gate/up view; the activation's fresh output takes the
         product in place."""
-        gate, up = add_lora(torch.mm(x, f["gate_up_wt"]), x, f["gate_up_lora"]).chunk(2, dim=-1)
+        gate, up = add_lora(wide_mm(x, f["gate_up_wt"]), x, f["gate_up_lora"]).chunk(2, dim=-1)
         return mm(f["act"](gate).mul_(up), f["down_wt"], f["down_proj"])
 
     def decode_step(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,

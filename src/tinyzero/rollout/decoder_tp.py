@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyzero.rollout.fused_ops import wide_mm
+
 
 class TensorParallelDecoding:
     """FusedDecoder's tensor-parallel shards and decode step (a mixin: it reads the decoder's layers,
@@ -93,7 +95,7 @@ class TensorParallelDecoding:
             h = f["post_norm"](x)
             y = torch.mm(f["act"](torch.mm(h, f["tp_gate_wt"])).mul_(torch.mm(h, f["tp_up_wt"])), f["tp_down_wt"])
             x.add_(comm.all_reduce_(y))
-        logits = torch.mm(self.final_norm(x), self.tp_lm_head_wt)  # (rows, this rank's vocabulary block)
+        logits = wide_mm(self.final_norm(x), self.tp_lm_head_wt)  # (rows, this rank's vocabulary block)
         vocab, per = self.tp_vocab
         if logits.shape[1] < per:
             logits = F.pad(logits, (0, per - logits.shape[1]))
