@@ -309,6 +309,12 @@ def test_wide_mm_is_one_matmul_bit_for_bit(dtype):
         got = fused_ops.wide_mm(x, weight.t())
         assert got.shape == (rows, n) and got.dtype == dtype
         assert torch.equal(got, torch.mm(x, weight.t())), rows
+    if dtype == torch.float32:  # under autograd: one differentiable call, the same gradient as torch.mm's
+        w = weight.clone().requires_grad_()
+        fused_ops.wide_mm(x, w.t()).sum().backward()
+        ref = w.detach().clone().requires_grad_()
+        torch.mm(x, ref.t()).sum().backward()
+        assert torch.equal(w.grad, ref.grad)
 
 
 def test_column_blocked_lm_head_decodes_like_hf(monkeypatch):

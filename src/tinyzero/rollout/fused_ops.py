@@ -99,10 +99,10 @@ def wide_mm(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     fp32 kernel runs faster on a block whose weights stay in cache for all the rows. One thread, 4 to 48
     rows, time against one call: 576 -> 49,152 (SmolLM2's lm_head) 0.72, 896 -> 9,728 0.70-0.85,
     2,048 -> 16,384 0.53-0.67; at 3,072 columns no gain. bf16 (oneDNN) and a single row (a gemv) do not
-    gain, and a compiled decode step keeps the single call."""
+    gain, and a compiled decode step or an autograd graph (out= has no gradient) keeps the single call."""
     n = weight_t.shape[1]
     if n < WIDE_MM_COLUMNS or x.shape[0] < 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or torch.compiler.is_compiling():
+            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight_t.requires_grad)):
         return torch.mm(x, weight_t)
     out = x.new_empty((x.shape[0], n))
     for lo in range(0, n, WIDE_MM_BLOCK):
