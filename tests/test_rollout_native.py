@@ -335,6 +335,7 @@ def test_column_blocked_lm_head_decodes_like_hf(monkeypatch):
     assert 40 in calls and 16 in calls  # the lm_head went through blocks, the last one shorter
     for key in ("responses", "response_mask", "rollout_log_probs"):
         assert torch.equal(blocked.batch[key], unblocked.batch[key]), key
-    greedy = _engine(model, response_length=24, do_sample=False).generate_sequences(_prompt_batch(5, 9, 96))
-    ref = _hf_greedy(model, _prompt_batch(5, 9, 96), 24)
+    prompts = _prompt_batch(5, 9, model.config.vocab_size)
+    greedy = _engine(model, response_length=24, do_sample=False).generate_sequences(prompts)
+    ref = _hf_greedy(model, prompts, 24)
     assert torch.equal(greedy.batch["responses"][:, : ref.shape[1]], ref)

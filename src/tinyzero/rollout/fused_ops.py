@@ -101,13 +101,19 @@ def wide_mm(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     2,048 -> 16,384 0.53-0.67; at 3,072 columns no gain. bf16 (oneDNN) and a single row (a gemv) do not
     gain, and a compiled decode step or an autograd graph (out= has no gradient) keeps the single call."""
     n = weight_t.shape[1]
-    if n < WIDE_MM_COLUMNS or x.shape[0] < 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight_t.requires_grad)):
+    if n < WIDE_MM_COLUMNS or not _blocks_pay(x, weight_t):  # the width first: one compare for most calls
         return torch.mm(x, weight_t)
     out = x.new_empty((x.shape[0], n))
     for lo in range(0, n, WIDE_MM_BLOCK):
         torch.mm(x, weight_t[:, lo:lo + WIDE_MM_BLOCK], out=out[:, lo:lo + WIDE_MM_BLOCK])
     return out
+
+
+def _blocks_pay(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
+    """Whether `wide_mm` splits a wide matmul: fp32 on CPU, several rows, not traced, no autograd."""
+    if x.shape[0] < 2 or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight_t.requires_grad))
 
 
 def mm(x: torch.Tensor, weight_t: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
