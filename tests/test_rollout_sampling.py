@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tinyzero.rollout.sampling import SamplingParams, make_generator, sample_from_logits
+from tinyzero.rollout.sampling import SampleBuffers, SamplingParams, make_generator, sample_from_logits
 
 LOGITS = [2.0, 1.5, 1.1, 0.7, 0.3, 0.0, -0.4, -1.0, -1.7, -2.5]
 
@@ -111,3 +111,30 @@ def test_inverse_cdf_edges_never_pick_masked_tokens():
     bad = torch.full((2, 6), float("nan"))
     tokens, _ = sample_from_logits(bad, SamplingParams(do_sample=True), None, uniforms[:2])
     assert ((tokens >= 0) & (tokens < 6)).all()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_reused_buffers_sample_like_fresh_tensors(temperature, top_p):
+    """One SampleBuffers over the steps of a generation whose rows shrink (stopped rows leave the batch)
+    gives the fresh tensors' tokens and log-probs bit for bit, and the tokens are the plain-Python
+    inverse-CDF draws; the buffers are allocated once, at the first (largest) step."""
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=temperature, top_p=top_p, do_sample=True)
+    buffers = SampleBuffers()
+    ptrs = set()
+    for rows in (8, 8, 5, 3, 6):
+        logits = torch.randn(rows, 300, generator=g) * 3
+        uniforms = torch.rand(rows, generator=g, dtype=torch.float64)
+        fresh = sample_from_logits(logits, params, None, uniforms)
+        reused = sample_from_logits(logits, params, None, uniforms, buffers)
+        assert torch.equal(fresh[0], reused[0]) and torch.equal(fresh[1], reused[1])
+        ptrs.add(buffers.get("cdf", logits, torch.float64).data_ptr())
+        if top_p < 1.0:
+            continue  # the nucleus is the other tests' business; here the draws of the full softmax
+        probs = torch.log_softmax(logits / temperature, -1).exp()  # fp32, as the sampler draws from
+        for r in range(rows):
+            weights = probs[r].tolist()
+            target, mass = uniforms[r].item() * sum(weights), 0.0  # the running float64 sum, left to right
+            expected = next(i for i, w in enumerate(weights) if (mass := mass + w) > target)
+            assert reused[0][r].item() == expected, (rows, r)
+    assert len(ptrs) == 1

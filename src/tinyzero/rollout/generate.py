@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from tinyzero.progress import report_progress
-from tinyzero.rollout.sampling import SamplingParams, draw_uniforms, sample_from_logits
+from tinyzero.rollout.sampling import SampleBuffers, SamplingParams, draw_uniforms, sample_from_logits
 
 # decoder(input_ids (B,T), position_ids (B,T), key_valid (B,start+T) bool, start) -> logits (B,V)
 Decoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -87,11 +87,12 @@ def generate(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     logits = prefill(decoder, prompt_ids, prompt_pos, key_valid[:: group_size])  # (B / g, V) or (B, V)
     if logits.shape[0] != B:
         logits = logits.repeat_interleave(group_size, dim=0)  # (B, V): a prompt's rows share its first logits
+    buffers = SampleBuffers()  # the sampler's (rows, V) tensors, reused by every step
     steps = R
     for t in range(R):
         report_progress("generate", token=t + 1, of=R)
         step_uniforms = None if uniforms is None else uniforms[t] if active is None else uniforms[t, active]
-        tok, logp = sample_from_logits(logits, params, generator, step_uniforms)
+        tok, logp = sample_from_logits(logits, params, generator, step_uniforms, buffers)
         if active is not None:  # back to every row: the stopped ones get pad (cut by finish_responses)
             tok = torch.full((B,), params.pad_token_id, dtype=tok.dtype, device=device).index_copy_(0, active, tok)
             logp = torch.zeros(B, dtype=logp.dtype, device=device).index_copy_(0, active, logp)

@@ -24,7 +24,7 @@ import torch
 
 from tinyzero.rollout.engine import SamplingParams, resolve_sampling_params
 
-__all__ = ["SamplingParams", "apply_top_k_top_p", "draw_uniforms", "make_generator", "resolve_sampling_params",
+__all__ = ["SampleBuffers", "SamplingParams", "apply_top_k_top_p", "draw_uniforms", "make_generator", "resolve_sampling_params",
            "sample_from_logits"]
 
 
@@ -49,24 +49,53 @@ def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator | None,
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
 
 
+class SampleBuffers:
+    """The (batch, vocab) tensors one sampling step writes, kept for the next step of a generation.
+
+    A step needs three of them (log-probs, probabilities, their float64 running sum: 16 bytes a logit,
+    25 MB at 32 rows of a 49k vocabulary). Fresh ones each step cost more on CPU than the math they hold:
+    glibc returns such large blocks to the system when they are freed, so every step faults them in again
+    (fp32 -> float64 alone took 4x longer into a fresh block than into a reused one). A step with fewer
+    rows (generate drops stopped ones) uses the leading rows; the values are those of the fresh tensors."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows, vocab = like.shape
+        buf = self._bufs.get((name, dtype))
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != vocab or buf.device != like.device:
+            buf = self._bufs[(name, dtype)] = torch.empty((rows, vocab), dtype=dtype, device=like.device)
+        return buf[:rows]
+
+
 def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                       uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       uniforms: torch.Tensor | None = None,
+                       buffers: SampleBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row. logits: (batch, vocab) -> (tokens (batch,) int64, log-probs (batch,) fp32).
 
     uniforms: optional (batch,) float64 uniforms drawn ahead (generate() draws every step's at once);
-    drawn here from `generator` when None."""
+    drawn here from `generator` when None. buffers: where the step's (batch, vocab) intermediates go
+    (generate() passes one per generation); fresh tensors when None, with the same results."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
     else:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, dim=-1)  # (batch, vocab)
+        if buffers is None:
+            logp = torch.log_softmax(scaled, dim=-1)  # (batch, vocab)
+        else:
+            logp = torch.log_softmax(scaled, dim=-1, out=buffers.get("logp", scaled, torch.float32))
         if params.top_k > 0 or params.top_p < 1.0:
             probs = apply_top_k_top_p(scaled, params.top_k, params.top_p).softmax(dim=-1)  # 0 outside
-        else:
+        elif buffers is None:
             probs = logp.exp()
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # (batch, vocab), non-decreasing
+        else:
+            probs = torch.exp(logp, out=buffers.get("probs", logp, torch.float32))
+        # (batch, vocab), non-decreasing: the fp32 probabilities summed in float64
+        cdf = probs.to(torch.float64) if buffers is None else buffers.get("cdf", probs, torch.float64).copy_(probs)
+        cdf.cumsum_(dim=-1)
         if uniforms is None:
             uniforms = draw_uniforms((logits.shape[0],), generator, logits.device)
         # U < 1, so the target is below the total mass and the first slot past it has mass of its own;
