@@ -55,7 +55,7 @@ class SampleBuffers:
     A step needs three of them (log-probs, probabilities, their float64 running sum: 16 bytes a logit,
     25 MB at 32 rows of a 49k vocabulary). Fresh ones each step cost more on CPU than the math they hold:
     glibc returns such large blocks to the system when they are freed, so every step faults them in again
-    (fp32 -> float64 alone took 4x longer into a fresh block than into a reused one). A step with fewer
+    (fp32 -> float64 took 8-16x longer into a fresh block than into a reused one). A step with fewer
     rows (generate drops stopped ones) uses the leading rows; the values are those of the fresh tensors."""
 
     def __init__(self):
