@@ -24,8 +24,8 @@ import torch
 
 from tinyzero.rollout.engine import SamplingParams, resolve_sampling_params
 
-__all__ = ["SampleBuffers", "SamplingParams", "apply_top_k_top_p", "draw_uniforms", "make_generator", "resolve_sampling_params",
-           "sample_from_logits"]
+__all__ = ["SampleBuffers", "SamplingParams", "apply_top_k_top_p", "draw_uniforms", "make_generator",
+           "resolve_sampling_params", "sample_from_logits"]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -78,24 +78,19 @@ def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: 
     drawn here from `generator` when None. buffers: where the step's (batch, vocab) intermediates go
     (generate() passes one per generation); fresh tensors when None, with the same results."""
     logits = logits.float()
+    buffers = SampleBuffers() if buffers is None else buffers  # a fresh one: fresh tensors
     if params.greedy:
         tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(logits, dim=-1, out=buffers.get("logp", logits, torch.float32))
     else:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
-        if buffers is None:
-            logp = torch.log_softmax(scaled, dim=-1)  # (batch, vocab)
-        else:
-            logp = torch.log_softmax(scaled, dim=-1, out=buffers.get("logp", scaled, torch.float32))
+        logp = torch.log_softmax(scaled, dim=-1, out=buffers.get("logp", scaled, torch.float32))  # (batch, vocab)
         if params.top_k > 0 or params.top_p < 1.0:
             probs = apply_top_k_top_p(scaled, params.top_k, params.top_p).softmax(dim=-1)  # 0 outside
-        elif buffers is None:
-            probs = logp.exp()
         else:
             probs = torch.exp(logp, out=buffers.get("probs", logp, torch.float32))
         # (batch, vocab), non-decreasing: the fp32 probabilities summed in float64
-        cdf = probs.to(torch.float64) if buffers is None else buffers.get("cdf", probs, torch.float64).copy_(probs)
-        cdf.cumsum_(dim=-1)
+        cdf = buffers.get("cdf", probs, torch.float64).copy_(probs).cumsum_(dim=-1)
         if uniforms is None:
             uniforms = draw_uniforms((logits.shape[0],), generator, logits.device)
         # U < 1, so the target is below the total mass and the first slot past it has mass of its own;
