@@ -8,7 +8,7 @@ import pytest
 from tinyzero.configs import PRESETS
 
 from tinyzero.config import Config, check_model_context, check_world
-from tinyzero.config_io import dump_yaml, load_preset, load_yaml, merge_dict, parse_args, to_dict
+from tinyzero.config.parse import dump_yaml, load_preset, load_yaml, merge_dict, parse_args, to_dict
 
 REQUIRED_PRESETS = {"demo_cpu", "countdown_qwen2_5_3b_ppo", "countdown_qwen2_5_3b_grpo", "gsm8k_grpo", "sft", "rm"}
 
@@ -132,7 +132,7 @@ def test_every_field_has_a_docstring():
     import ast
     import inspect
 
-    import tinyzero.config as mod
+    import tinyzero.config.root as mod
 
     tree = ast.parse(inspect.getsource(mod))
     for node in tree.body:
@@ -162,7 +162,7 @@ def test_help_lists_every_flag():
     import subprocess
     import sys
 
-    from tinyzero.config_io import flag_names
+    from tinyzero.config.parse import flag_names
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--help"], capture_output=True, text=True,

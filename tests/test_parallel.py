@@ -134,7 +134,7 @@ def test_meshes_over_a_pool_subset():
 def test_model_layouts_are_checked_before_anything_starts():
     """Start-up check (trainer.builder.check_model_layouts): heads / sizes that tp or sp cannot split."""
     from tinyzero.config import Config, ConfigError
-    from tinyzero.config_io import merge_dict
+    from tinyzero.config.parse import merge_dict
     from tinyzero.trainer.builder import check_model_layouts
 
     hf = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, intermediate_size=64, vocab_size=128)

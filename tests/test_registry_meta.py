@@ -26,7 +26,7 @@ from tinyzero.algorithms import (
 )
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.config import ConfigError, check_config
-from tinyzero.config_io import load_preset, parse_args
+from tinyzero.config.parse import load_preset, parse_args
 
 GROUPED = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"}
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tinyzero.config import Config, ConfigError
-from tinyzero.config_io import to_dict
+from tinyzero.config.parse import to_dict
 from tinyzero.trainer.run_config import changed_fields, write_config
 
 

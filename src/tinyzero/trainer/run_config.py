@@ -19,7 +19,7 @@ import warnings
 import yaml
 
 from tinyzero.config import ConfigError
-from tinyzero.config_io import dump_yaml, to_dict
+from tinyzero.config.parse import dump_yaml, to_dict
 
 CONFIG_FILE = "config.yaml"
 _NUMBERED_RE = re.compile(r"^config\.(\d+)\.yaml$")

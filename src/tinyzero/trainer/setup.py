@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tinyzero.config import Config, ConfigError, check_world
-from tinyzero.config_io import to_dict
+from tinyzero.config.parse import to_dict
 from tinyzero.data import StatefulDataLoader
 from tinyzero.distributed import get_rank, get_world_size, is_distributed, spans_nodes
 from tinyzero.models.loading import check_model_path, load_tokenizer

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from tinyzero.config import MODES, Config, ConfigError, _nearest
+from tinyzero.config import MODES, Config, ConfigError, nearest
 
 
 def to_dict(cfg: Any) -> Any:
@@ -45,7 +45,7 @@ def merge_dict(base: Any, values: dict, path: str = "") -> Any:
     for key, value in values.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ConfigError(f"unknown config key {where!r}{_nearest(str(key), names)}; "
+            raise ConfigError(f"unknown config key {where!r}{nearest(str(key), names)}; "
                              f"valid keys here: {', '.join(names)}")
         current = getattr(base, key)
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
@@ -80,7 +80,7 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            raise ConfigError(f"{where}={value!r} is not valid{_nearest(str(value), [str(c) for c in choices])}; "
+            raise ConfigError(f"{where}={value!r} is not valid{nearest(str(value), [str(c) for c in choices])}; "
                               f"choose one of {list(choices)}")
         return value
     if origin in (typing.Union, types.UnionType):
@@ -144,7 +144,7 @@ def load_preset(name: str) -> Config:
     from tinyzero.configs import PRESETS
 
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}{_nearest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}")
+        raise ConfigError(f"unknown preset {name!r}{nearest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]()
 
 
@@ -195,7 +195,7 @@ def check_flags(args: list[str]) -> None:
             continue
         name = arg[2:].split("=", 1)[0].replace("-", "_")
         if name not in valid:
-            raise ConfigError(f"unknown flag --{name}{_nearest(name, valid)}; `train.py --help` lists them all")
+            raise ConfigError(f"unknown flag --{name}{nearest(name, valid)}; `train.py --help` lists them all")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

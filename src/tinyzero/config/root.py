@@ -3,7 +3,7 @@
 `Config` has veRL's sections (data, actor_rollout_ref, critic, reward_model, reward, algorithm,
 trainer) plus `dpo`. Each component dataclass lives next to the code it configures; this module
 only composes them, adds `TrainerConfig`, and checks what spans sections. Reading and writing it
-(YAML, presets, the command line) is tinyzero.config_io.
+(YAML, presets, the command line) is tinyzero.config.parse.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class TrainerConfig:
             self.logger = [self.logger]
         for name in self.logger:
             if name not in known:
-                raise ConfigError(f"trainer.logger has unknown entry {name!r}{_nearest(name, known)}; "
+                raise ConfigError(f"trainer.logger has unknown entry {name!r}{nearest(name, known)}; "
                                  f"choose from {list(known)}")
         for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold", "host_mmap_threshold_kb",
                      "host_trim_threshold_mb"):
@@ -456,6 +456,6 @@ def check_model_context(cfg: Config, max_position_embeddings: int) -> None:
 # --------------------------------------------------------------------------- dict / YAML round trip
 
 
-def _nearest(name: str, choices) -> str:
+def nearest(name: str, choices) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
