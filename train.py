@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # PyTorch's CPU allocator: blocks of 2 MiB and more page-aligned and backed by transparent huge
 # pages. Read once, at torch's first allocation, so it is set before torch is imported; it lowers a
-# real model's peak host memory and its page faults (tinyzero.host_memory). THP_MEM_ALLOC_ENABLE=0
+# real model's peak host memory and its page faults (tinyzero.runtime.host_memory). THP_MEM_ALLOC_ENABLE=0
 # turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
@@ -83,10 +83,10 @@ def _debug_traceback() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError
-    from tinyzero.config_io import parse_args
+    from tinyzero.config.parse import parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
-    from tinyzero.host_memory import keep_freed_memory, set_mmap_threshold, set_trim_threshold
-    from tinyzero.progress import start_watchdog, stop_watchdog
+    from tinyzero.runtime.host_memory import keep_freed_memory, set_mmap_threshold, set_trim_threshold
+    from tinyzero.runtime.progress import start_watchdog, stop_watchdog
     from tinyzero.rewards.manager import RewardError
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.loop import NonFiniteError

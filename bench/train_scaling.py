@@ -77,7 +77,7 @@ class CollectiveCounter(TorchDispatchMode):
     Sees c10d ops (what torch.distributed's collectives and FSDP2 call) and functional collectives
     (what DTensor calls). A collective's bytes are those of its largest tensor argument or output.
     On one CPU host FSDP2's all-gathers and reduce-scatters go through a shared-memory segment
-    (tinyzero.shm_comm), not c10d: they are counted under the c10d ops they stand in for.
+    (tinyzero.distributed.shm_comm), not c10d: they are counted under the c10d ops they stand in for.
     """
 
     SHM_OPS = {"all_gather_into": "_allgather_base_", "reduce_scatter_into": "_reduce_scatter_base_"}
@@ -93,7 +93,7 @@ class CollectiveCounter(TorchDispatchMode):
         entry[1] += max((t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)), default=0)
 
     def __enter__(self):
-        from tinyzero.shm_comm import ShmComm
+        from tinyzero.distributed.shm_comm import ShmComm
 
         for method, name in self.SHM_OPS.items():
             original = self._shm_saved[method] = getattr(ShmComm, method)
@@ -106,7 +106,7 @@ class CollectiveCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        from tinyzero.shm_comm import ShmComm
+        from tinyzero.distributed.shm_comm import ShmComm
 
         for method, original in self._shm_saved.items():
             setattr(ShmComm, method, original)
@@ -180,7 +180,7 @@ def timed_updates(model_dir: str, args, device_kind: str, tp: int = 1, sp: int =
     updates (rank-0 clock), then count the collectives of one more update."""
     import torch.distributed as dist
 
-    from tinyzero.parallel import ParallelDims
+    from tinyzero.distributed.parallel_dims import ParallelDims
     from tinyzero.workers.actor_worker import ActorRolloutRefWorker
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -179,7 +179,7 @@ def real_model_flags() -> list[str]:
     """Our side's settings for a model of real size on CPU, read from the real_cpu preset (--plain
     leaves them out; --ours-flag, given after them, overrides any): the rollout decodes tensor-parallel
     over both ranks, sleep level 2 frees the engine's weights and cache for the update, the fused
-    layers keep less for backward, and the heaps keep freed pages for reuse (tinyzero.host_memory)."""
+    layers keep less for backward, and the heaps keep freed pages for reuse (tinyzero.runtime.host_memory)."""
     from tinyzero.configs.real import real_cpu
 
     cfg = real_cpu()

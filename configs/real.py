@@ -98,7 +98,7 @@ def real_cpu() -> Config:
     t.test_freq = -1
     t.val_before_train = False
     # Each phase reuses the heap pages the previous one freed instead of faulting in fresh ones
-    # (tinyzero.host_memory): about a quarter of an fp32 update's time on a VM.
+    # (tinyzero.runtime.host_memory): about a quarter of an fp32 update's time on a VM.
     t.host_keep_freed_memory = True
     return cfg
 

@@ -1,4 +1,4 @@
-"""tinyzero.host_memory: with the mmap threshold fixed (trainer.host_mmap_threshold_kb), memory a process frees
+"""tinyzero.runtime.host_memory: with the mmap threshold fixed (trainer.host_mmap_threshold_kb), memory a process frees
 goes back to the system even when it is interleaved with live tensors; with glibc's adaptive default
 it stays resident until a phase ends with more than trainer.host_trim_threshold_mb free in the heaps
 (phase_done). Each case runs in a fresh interpreter (malloc settings are per process)."""
@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from tinyzero.host_memory import _glibc
+from tinyzero.runtime.host_memory import _glibc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TRIM_SCRIPT = r"""
 import json, torch
-from tinyzero.host_memory import free_heap_bytes, phase_done, set_trim_threshold
+from tinyzero.runtime.host_memory import free_heap_bytes, phase_done, set_trim_threshold
 def rss_mb():
     return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) / 1024
 big = torch.ones(4 * 2**20)  # 16 MiB, freed: glibc's adaptive threshold rises above 1 MiB
@@ -40,7 +40,7 @@ print(json.dumps({"free_mb": free_mb, "off": off, "high": high, "kept_mb": befor
 
 SCRIPT = r"""
 import json, sys, torch
-from tinyzero.host_memory import set_mmap_threshold
+from tinyzero.runtime.host_memory import set_mmap_threshold
 def rss_mb():
     return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) / 1024
 ok = set_mmap_threshold(64 * 1024) if sys.argv[1] == "fixed" else None
@@ -82,7 +82,7 @@ def test_phase_done_trims_only_above_the_threshold():
 
 KEEP_SCRIPT = r"""
 import json, resource, sys, torch
-from tinyzero.host_memory import free_heap_bytes, keep_freed_memory, phase_done, release_freed_memory, set_trim_threshold
+from tinyzero.runtime.host_memory import free_heap_bytes, keep_freed_memory, phase_done, release_freed_memory, set_trim_threshold
 def rss_mb():
     return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) / 1024
 def faults():

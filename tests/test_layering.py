@@ -22,8 +22,7 @@ LAYERS = {
     "trainer": 5, "demo": 5, "demo_tools": 5, "plot": 5, "config": 5, "configs": 5,
     "workers": 4,
     "rollout": 3, "models": 3, "algorithms": 3, "agent": 3, "rewards": 3, "data": 3,
-    "protocol": 1, "single_controller": 1, "kernels": 1, "distributed": 1, "parallel": 1, "progress": 1, "overrides": 1, "fileio": 1, "host_memory": 1,
-    "shm_comm": 1,
+    "protocol": 1, "single_controller": 1, "kernels": 1, "distributed": 1, "runtime": 1,
 }
 
 # (importing file relative to src/tinyzero, imported module) -> why it still runs up

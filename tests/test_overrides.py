@@ -8,8 +8,8 @@ from operator import attrgetter
 
 import pytest
 
-from tinyzero import overrides
-from tinyzero.overrides import override, warn_override
+from tinyzero.config import overrides
+from tinyzero.config.overrides import override, warn_override
 
 
 @pytest.fixture(autouse=True)

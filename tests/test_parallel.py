@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tinyzero.parallel import LayoutError, ParallelDims
+from tinyzero.distributed.parallel_dims import LayoutError, ParallelDims
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers.config import ActorConfig, CriticConfig
 

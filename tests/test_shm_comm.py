@@ -1,4 +1,4 @@
-"""Shared-memory collectives (tinyzero.shm_comm) on 2 and 3 CPU gloo ranks.
+"""Shared-memory collectives (tinyzero.distributed.shm_comm) on 2 and 3 CPU gloo ranks.
 
 The all-gather and reduce-scatter must equal gloo's (bit for bit: the sum runs in rank order, and a
 plain loop in rank order is the reference) for flat tensors of several dtypes, through slots far
@@ -20,7 +20,7 @@ from tests.dist_utils import run_distributed
 def _collectives_worker(slot_bytes: int):
     import torch.distributed as dist
 
-    from tinyzero.shm_comm import ShmComm
+    from tinyzero.distributed.shm_comm import ShmComm
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,7 +78,7 @@ def _fsdp_worker():
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from tinyzero.rollout.weight_sync import iter_full_params
-    from tinyzero.shm_comm import use_shm_collectives
+    from tinyzero.distributed.shm_comm import use_shm_collectives
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -147,7 +147,7 @@ def _absent_peer_worker(peer_gone: bool):
 
     import torch.distributed as dist
 
-    from tinyzero.shm_comm import ShmComm
+    from tinyzero.distributed.shm_comm import ShmComm
 
     dist.init_process_group("gloo")
     comm = ShmComm(dist.group.WORLD, 256, timeout_s=600.0 if peer_gone else 2.0, what="test exchange")

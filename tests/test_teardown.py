@@ -33,7 +33,7 @@ def _teardown_case():
     import torch.distributed as dist
 
     from tinyzero.distributed import cleanup, init_distributed
-    from tinyzero.progress import report_progress, start_watchdog, stop_watchdog
+    from tinyzero.runtime.progress import report_progress, start_watchdog, stop_watchdog
     from tinyzero.single_controller import ResourcePool
 
     init_distributed(60)

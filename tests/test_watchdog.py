@@ -132,7 +132,7 @@ def _status(beat: int, age: float, still: float, waiting: bool, phase: str = "up
 
 
 def test_the_rule_names_the_stuck_rank_not_its_waiting_or_busy_peers():
-    from tinyzero.progress import _Watchdog
+    from tinyzero.runtime.progress import _Watchdog
 
     wd = _Watchdog(bound_s=10.0, poll_s=1.0, store=None, rank=0, world=3)
     # Rank 2 has reported nothing for 12 s but its main thread runs Python code (busy), rank 1 is

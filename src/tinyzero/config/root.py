@@ -16,7 +16,7 @@ from typing import Literal
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.data.config import DataConfig
-from tinyzero.parallel import LayoutError
+from tinyzero.distributed.parallel_dims import LayoutError
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig, rollout_dims
 
@@ -125,18 +125,18 @@ class TrainerConfig:
     host_trim_threshold_mb: int = 256
     """glibc malloc: at the end of each phase of a step (generation, log-probs, update, ...), when the
     host heaps hold more than this many MiB free, their free pages go back to the system (malloc_trim),
-    so what one phase freed does not stay resident under the next one's peak (tinyzero.host_memory).
+    so what one phase freed does not stay resident under the next one's peak (tinyzero.runtime.host_memory).
     The next phase faults in only the pages it reuses. 0 turns it off."""
     host_mmap_threshold_kb: int = 0
     """glibc malloc: host allocations of at least this many KiB get their own mapping, returned to the
     system when freed, so a process's resident memory follows its live tensors instead of keeping what
-    each phase freed (tinyzero.host_memory; e.g. 1024). The price is page faults on every such
+    each phase freed (tinyzero.runtime.host_memory; e.g. 1024). The price is page faults on every such
     allocation, which a small model's many MB-sized activations feel. 0 (default) leaves glibc's
     adaptive threshold."""
     host_keep_freed_memory: bool = False
     """glibc malloc, for speed over memory: every host allocation comes from the heaps, which never
     shrink, and nothing is trimmed (host_trim_threshold_mb is ignored), so each phase reuses the pages
-    earlier phases freed instead of faulting in fresh, zeroed ones (tinyzero.host_memory). Those faults
+    earlier phases freed instead of faulting in fresh, zeroed ones (tinyzero.runtime.host_memory). Those faults
     cost about a quarter of a SmolLM2 fp32 update on a VM; the peak resident memory is higher (~+20%
     there). Cannot be combined with host_mmap_threshold_kb."""
     hang_timeout_s: float = 300.0
@@ -373,7 +373,7 @@ def critic_mini_batch_size(cfg: Config) -> int:
 
 def sync_derived_fields(cfg: Config) -> Config:
     """Copy the values one section derives from another (veRL does this with ${...} interpolation)."""
-    from tinyzero.overrides import override
+    from tinyzero.config.overrides import override
 
     arr = cfg.actor_rollout_ref
     override(arr.rollout, "prompt_length", cfg.data.max_prompt_length, "actor_rollout_ref.rollout.prompt_length",
@@ -399,7 +399,7 @@ def sync_derived_fields(cfg: Config) -> Config:
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (run at start-up), with the setting to change in each message.
 
-    Each role's layout comes from tinyzero.parallel.ParallelDims (the same object its worker builds),
+    Each role's layout comes from tinyzero.distributed.parallel_dims.ParallelDims (the same object its worker builds),
     so a layout error here is the one the worker would raise, before anything starts."""
     arr = cfg.actor_rollout_ref
     actor_ranks, critic_ranks = pool_sizes(cfg, world_size)

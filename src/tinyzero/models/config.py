@@ -123,7 +123,7 @@ class FSDPConfig:
     fsdp_size: int = -1
     """Ranks one copy of the model is sharded over. -1: all ranks of the pool (plain FSDP). A smaller
     divisor of the pool size gives hybrid sharding: shard within groups of `fsdp_size` ranks, replicate
-    across the pool_size / fsdp_size groups (2-D mesh ("dp_replicate", "dp_shard"); see tinyzero.parallel)."""
+    across the pool_size / fsdp_size groups (2-D mesh ("dp_replicate", "dp_shard"); see tinyzero.distributed.parallel_dims)."""
     param_offload: bool = False
     """Keep parameters (and gradients) on CPU between phases; loaded to the device for forward/backward.
     With `offload_policy=True` FSDP2's CPUOffloadPolicy keeps them on CPU all the time instead."""
@@ -137,7 +137,7 @@ class FSDPConfig:
     backward (ZeRO-2 style: more memory, fewer all-gathers)."""
     shm_collectives: bool = True
     """CPU ranks of one x86 host: FSDP2's all-gathers and reduce-scatters go through a shared-memory segment
-    (tinyzero.shm_comm) instead of gloo's TCP loopback; same results, fewer copies. Ignored elsewhere."""
+    (tinyzero.distributed.shm_comm) instead of gloo's TCP loopback; same results, fewer copies. Ignored elsewhere."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """Compute / reduce dtypes."""
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)

@@ -9,11 +9,11 @@
 Layout: every decoder layer is its own FSDP unit and the root (embeddings, final norm,
 lm_head / score head) is the last; a 1-D mesh ("dp_shard",) shards over all its ranks, a 2-D mesh
 ("dp_replicate", "dp_shard") is hybrid sharding (HSDP): shard within dim 1, replicate across dim 0
-(tinyzero.parallel.ParallelDims owns the layout).
+(tinyzero.distributed.parallel_dims.ParallelDims owns the layout).
 Parameters stay fp32 (master weights); MixedPrecisionPolicy casts them to bf16 for compute
 on GPU and reduces gradients in fp32; on CPU everything is fp32.
 On CPU ranks of one x86 host the units' all-gathers and reduce-scatters go through a shared-memory
-segment (tinyzero.shm_comm, `fsdp_config.shm_collectives`) instead of gloo's TCP loopback.
+segment (tinyzero.distributed.shm_comm, `fsdp_config.shm_collectives`) instead of gloo's TCP loopback.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tinyzero.distributed import collective_timeout_s
 from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.models.loading import check_model_path, load_model, pick_dtype
-from tinyzero.parallel import ParallelDims
-from tinyzero.shm_comm import use_shm_collectives
+from tinyzero.distributed.parallel_dims import ParallelDims
+from tinyzero.distributed.shm_comm import use_shm_collectives
 
 _KINDS = ("causal_lm", "value", "reward")
 
 
 def make_fsdp_mesh(fsdp_config: FSDPConfig, device_type: str, world_size: int | None = None) -> DeviceMesh:
-    """An FSDP2 mesh over the whole world (tinyzero.parallel lays it out; a worker builds the same over
+    """An FSDP2 mesh over the whole world (tinyzero.distributed.parallel_dims lays it out; a worker builds the same over
     its pool with ParallelDims.build_mesh(worker.device_mesh))."""
     dims = ParallelDims.for_role(world_size or dist.get_world_size(), fsdp_config.fsdp_size)
     return dims.build_mesh(lambda shape, names: init_device_mesh(device_type, shape, mesh_dim_names=names))

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tinyzero.fileio import atomic_write_text
+from tinyzero.runtime.fileio import atomic_write_text
 
 
 def save_state(

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tinyzero.distributed import get_rank
-from tinyzero.progress import report_progress
+from tinyzero.runtime.progress import report_progress
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.rewards.overlong import apply_overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tinyzero.progress import report_progress
+from tinyzero.runtime.progress import report_progress
 from tinyzero.rollout.sampling import SampleBuffers, SamplingParams, draw_uniforms, sample_from_logits
 
 # decoder(input_ids (B,T), position_ids (B,T), key_valid (B,start+T) bool, start) -> logits (B,V)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyzero.host_memory import release_freed_memory
+from tinyzero.runtime.host_memory import release_freed_memory
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.decoder import build_decoder

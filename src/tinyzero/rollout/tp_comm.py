@@ -5,7 +5,7 @@ computed, the MLP's partial sums) and the vocabulary shards of the logits. On a 
 about 1 ms for an all-gather and 2 ms for an all-reduce of a (16, 576) fp32 tensor, so 60 of them
 would cost more than the step saves. Two implementations of the same three calls:
 
-* `ShmComm` (tinyzero.shm_comm; CPU ranks of one x86 host): the ranks exchange through a shared memory
+* `ShmComm` (tinyzero.distributed.shm_comm; CPU ranks of one x86 host): the ranks exchange through a shared memory
   segment; a handoff takes a few microseconds. A peer that does not arrive within `timeout_s` raises
   (it died or hangs), naming it.
 * `DistComm`: torch.distributed collectives on the group (NCCL on GPU; gloo elsewhere).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tinyzero.shm_comm import ShmComm, intra_host_cpu_group
+from tinyzero.distributed.shm_comm import ShmComm, intra_host_cpu_group
 
 __all__ = ["DistComm", "ShmComm", "build_comm"]
 

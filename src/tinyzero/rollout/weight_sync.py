@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from tinyzero.shm_comm import comm_for
+from tinyzero.distributed.shm_comm import comm_for
 
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from tinyzero.algorithms.rollout_correction import seq_mis_keep
-from tinyzero.parallel import LayoutError
+from tinyzero.distributed.parallel_dims import LayoutError
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.weight_bridge import BridgeSource, announce, open_bridge
 from tinyzero.single_controller import (

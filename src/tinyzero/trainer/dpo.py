@@ -36,7 +36,7 @@ from tinyzero.algorithms import register_policy_loss
 from tinyzero.config import Config, ConfigError
 from tinyzero.data import PairwiseDataset
 from tinyzero.distributed import get_world_size
-from tinyzero.overrides import override
+from tinyzero.config.overrides import override
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import (
     ClassWithInitArgs,

@@ -19,7 +19,7 @@ import math
 import os
 
 from tinyzero.agent.metrics import agent_metrics
-from tinyzero.progress import report_progress
+from tinyzero.runtime.progress import report_progress
 from tinyzero.protocol import DataProto
 from tinyzero.trainer.checkpoint import (
     CheckpointManager,

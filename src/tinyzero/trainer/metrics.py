@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from tinyzero.algorithms import rollout_mismatch_metrics
-from tinyzero.host_memory import phase_done
-from tinyzero.progress import report_progress
+from tinyzero.runtime.host_memory import phase_done
+from tinyzero.runtime.progress import report_progress
 from tinyzero.protocol import DataProto
 
 
@@ -28,7 +28,7 @@ from tinyzero.protocol import DataProto
 def timer(name: str, timing: dict[str, float]):
     """Add the wall time of the block to timing[name] (seconds); the phase counts as progress. At its end
     the host heaps' free pages go back to the system if they hold more than trainer.host_trim_threshold_mb
-    (tinyzero.host_memory.phase_done, timed with the phase)."""
+    (tinyzero.runtime.host_memory.phase_done, timed with the phase)."""
     report_progress(name)
     start = time.perf_counter()
     try:

@@ -61,7 +61,7 @@ class ActorRolloutRefWorker(Worker):
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref", "actor_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref", "actor_ref")
-        # One layout per role (tinyzero.parallel); each registers the data-parallel rank its methods dispatch by.
+        # One layout per role (tinyzero.distributed.parallel_dims); each registers the data-parallel rank its methods dispatch by.
         self.dims = {}
         if self._is_actor:
             self.dims["actor"] = config.actor.parallel_dims(self.world_size)

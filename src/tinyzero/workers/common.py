@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from tinyzero.models.config import FSDPConfig
-from tinyzero.parallel import ParallelDims
+from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.workers.scaling import all_reduce_sum
 
 
 def load_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: ParallelDims, kind: str):
-    """Load one role's model over `worker`'s pool with the layout `dims` (tinyzero.parallel): tensor
+    """Load one role's model over `worker`'s pool with the layout `dims` (tinyzero.distributed.parallel_dims): tensor
     parallelism over its tp axis, FSDP2 over the rest. With sequence parallelism the model's attention
     becomes Ulysses' and `model.sp_group` holds the group that splits a sequence (else None)."""
     from tinyzero.models.fsdp import load_sharded_model

@@ -15,7 +15,7 @@ from typing import ClassVar
 from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
 from tinyzero.algorithms import LOSS_AGG_MODES
 from tinyzero.models.config import FSDPConfig, ModelConfig
-from tinyzero.parallel import ParallelDims
+from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.rollout.config import RolloutConfig
 
 WARMUP_STYLES = ("constant", "cosine")
@@ -30,7 +30,7 @@ def _check_positive_or_none(name: str, value: int | None) -> None:
 
 
 class HasLayout:
-    """A role section with an `fsdp_config`: its parallel layout comes from here (tinyzero.parallel)."""
+    """A role section with an `fsdp_config`: its parallel layout comes from here (tinyzero.distributed.parallel_dims)."""
 
     SECTION: ClassVar[str] = ""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from tinyzero.progress import report_progress
+from tinyzero.runtime.progress import report_progress
 from tinyzero.protocol import DataProto
 from tinyzero.workers.scaling import all_reduce_sum, global_counts, micro_weight, token_weight
 

@@ -1,0 +1,1 @@
+"""Run-time utilities below everything else: progress and the hang watchdog, host memory, durable file I/O."""
