@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError
     from tinyzero.config.parse import parse_args
     from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
+    from tinyzero.rewards.manager import RewardError
     from tinyzero.runtime.host_memory import keep_freed_memory, set_mmap_threshold, set_trim_threshold
     from tinyzero.runtime.progress import start_watchdog, stop_watchdog
-    from tinyzero.rewards.manager import RewardError
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.loop import NonFiniteError
     from tinyzero.trainer.preemption import (

@@ -32,10 +32,10 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tinyzero.distributed import collective_timeout_s
-from tinyzero.models.config import FSDPConfig, ModelConfig
-from tinyzero.models.loading import check_model_path, load_model, pick_dtype
 from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.distributed.shm_comm import use_shm_collectives
+from tinyzero.models.config import FSDPConfig, ModelConfig
+from tinyzero.models.loading import check_model_path, load_model, pick_dtype
 
 _KINDS = ("causal_lm", "value", "reward")
 

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from tinyzero.distributed import get_rank
-from tinyzero.runtime.progress import report_progress
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.rewards.overlong import apply_overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
 from tinyzero.rewards.scoring import ScoringPool, score_tasks
+from tinyzero.runtime.progress import report_progress
 
 __all__ = ["RewardError", "RewardManager", "RewardOutput"]
 

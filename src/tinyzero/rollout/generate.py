@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from tinyzero.runtime.progress import report_progress
 from tinyzero.rollout.sampling import SampleBuffers, SamplingParams, draw_uniforms, sample_from_logits
+from tinyzero.runtime.progress import report_progress
 
 # decoder(input_ids (B,T), position_ids (B,T), key_valid (B,start+T) bool, start) -> logits (B,V)
 Decoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from tinyzero.runtime.host_memory import release_freed_memory
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
 from tinyzero.rollout.decoder import build_decoder
@@ -24,6 +23,7 @@ from tinyzero.rollout.engine import sampling_params
 from tinyzero.rollout.generate import generate
 from tinyzero.rollout.outputs import PROMPT_KEYS, build_output, check_prompt_batch, repeat_prompts
 from tinyzero.rollout.sampling import draw_uniforms, make_generator
+from tinyzero.runtime.host_memory import release_freed_memory
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

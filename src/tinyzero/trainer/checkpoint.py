@@ -43,9 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinyzero.models.role_state import load_state, save_state  # noqa: F401 - the role folders it publishes
 from tinyzero.runtime.fileio import atomic_write_text as _atomic_write_text
 from tinyzero.runtime.fileio import fsync_path as _fsync_path
-from tinyzero.models.role_state import load_state, save_state  # noqa: F401 - the role folders it publishes
 
 MARKER = "COMPLETE.json"
 TRAINER_STATE = "trainer_state.json"

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from tinyzero.algorithms import register_policy_loss
 from tinyzero.config import Config, ConfigError
+from tinyzero.config.overrides import override
 from tinyzero.data import PairwiseDataset
 from tinyzero.distributed import get_world_size
-from tinyzero.config.overrides import override
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import (
     ClassWithInitArgs,

@@ -19,8 +19,8 @@ import math
 import os
 
 from tinyzero.agent.metrics import agent_metrics
-from tinyzero.runtime.progress import report_progress
 from tinyzero.protocol import DataProto
+from tinyzero.runtime.progress import report_progress
 from tinyzero.trainer.checkpoint import (
     CheckpointManager,
     load_trainer_state,

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from tinyzero.algorithms import rollout_mismatch_metrics
+from tinyzero.protocol import DataProto
 from tinyzero.runtime.host_memory import phase_done
 from tinyzero.runtime.progress import report_progress
-from tinyzero.protocol import DataProto
 
 
 @contextmanager

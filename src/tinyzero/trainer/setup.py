@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from tinyzero.config import Config, ConfigError, check_world
+from tinyzero.config.overrides import override
 from tinyzero.config.parse import to_dict
 from tinyzero.data import StatefulDataLoader
 from tinyzero.distributed import get_rank, get_world_size, is_distributed, spans_nodes
 from tinyzero.models.loading import check_model_path, load_tokenizer
-from tinyzero.config.overrides import override
 from tinyzero.trainer.checkpoint import CheckpointManager
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.run_config import write_config

@@ -13,8 +13,8 @@ import contextlib
 import torch
 from torch import nn
 
-from tinyzero.models.config import FSDPConfig
 from tinyzero.distributed.parallel_dims import ParallelDims
+from tinyzero.models.config import FSDPConfig
 from tinyzero.workers.scaling import all_reduce_sum
 
 

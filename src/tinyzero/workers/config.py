@@ -14,8 +14,8 @@ from typing import ClassVar
 
 from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
 from tinyzero.algorithms import LOSS_AGG_MODES
-from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.distributed.parallel_dims import ParallelDims
+from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.rollout.config import RolloutConfig
 
 WARMUP_STYLES = ("constant", "cosine")

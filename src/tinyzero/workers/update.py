@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from tinyzero.runtime.progress import report_progress
 from tinyzero.protocol import DataProto
+from tinyzero.runtime.progress import report_progress
 from tinyzero.workers.scaling import all_reduce_sum, global_counts, micro_weight, token_weight
 
 logger = logging.getLogger(__name__)
