@@ -12,6 +12,8 @@ a user can cause (a malformed file, a wrong type, an unknown flag) are one-line 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import sys
 import types
 import typing
@@ -100,6 +102,12 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             value = int(value) if hint is int else float(value)
         except ValueError:
             pass
+    if hint is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value}; write a number (e.g. 0 or 1e9) instead")
+    if hint is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -130,10 +138,43 @@ def load_yaml(path: str, base: Config | None = None) -> Config:
         # Tags such as !!python/object are refused by the safe loader: a config holds plain values only.
         problem = " ".join(str(e).split())
         raise ConfigError(f"--config {path}: not a plain YAML config ({problem})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: config section <root> must be a mapping, got {type(values).__name__}")
     try:
-        return merge_dict(base if base is not None else Config(), values)
+        base = base if base is not None else Config()
+        if _has_interpolation(values):  # veRL's YAML: ${section.key} and ${oc.env:VAR}
+            values = _resolve_interpolations(values, base)
+        return apply_settings(base, [(k, v, None) for k, v in flatten_settings(values)], source="file")
     except ConfigError as e:
         raise ConfigError(f"--config {path}: {e}") from None
+
+
+def _has_interpolation(values: Any) -> bool:
+    if isinstance(values, dict):
+        return any(_has_interpolation(v) for v in values.values())
+    if isinstance(values, list):
+        return any(_has_interpolation(v) for v in values)
+    return isinstance(values, str) and "${" in values
+
+
+def _resolve_interpolations(values: dict, base: Config) -> dict:
+    """OmegaConf's resolution of `${...}` (what veRL's Hydra config does when it loads): a reference
+    may name a key of the file or of the config under it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(to_dict(base)), OmegaConf.create(values))
+        resolved = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve an interpolation ({' '.join(str(e).split())[:200]})") from None
+
+    def pick(file_part: Any, full: Any) -> Any:  # the file's keys only, with their resolved values
+        if isinstance(file_part, dict) and isinstance(full, dict):
+            return {k: pick(v, full.get(k)) for k, v in file_part.items()}
+        return full
+
+    return pick(values, resolved)
 
 
 # --------------------------------------------------------------------------- presets and CLI
@@ -165,14 +206,6 @@ def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
     return out, value
 
 
-def _normalize_bool(arg: str) -> str:
-    """Accept true/false in any case (veRL style) for boolean flags, which tyro spells True/False."""
-    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-    if value.lower() in ("true", "false"):
-        value = value.capitalize()
-    return f"{flag}{eq}{value}" if eq else value if not flag else arg
-
-
 def flag_names(cls: type = None, prefix: str = "") -> list[str]:
     """Every command-line flag name of the root config ("trainer.total_epochs", ...)."""
     cls = Config if cls is None else cls
@@ -187,45 +220,246 @@ def flag_names(cls: type = None, prefix: str = "") -> list[str]:
     return names
 
 
-def check_flags(args: list[str]) -> None:
-    """An unknown `--section.field` is a ConfigError naming the nearest valid flag."""
-    valid = set(flag_names())
-    for arg in args:
-        if not arg.startswith("--") or arg in ("--help",):
+_DELETE = object()  # Hydra's `~key`: the field goes back to its default
+
+
+def _is_override(arg: str) -> bool:
+    """A Hydra override (`a.b=c`, `+a.b=c`, `++a.b=c`, `~a.b`) rather than a value of a `--flag`."""
+    if arg.startswith("~"):
+        return True
+    key = arg.lstrip("+").split("=", 1)[0]
+    return "=" in arg and bool(key) and all(part.isidentifier() for part in key.split("."))
+
+
+def _hydra_op(arg: str) -> tuple[str, Any, str | None]:
+    """(key, value, the value's text) of one Hydra override, values typed as Hydra types them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        override = OverridesParser.create().parse_override(arg)
+    except HydraException as e:
+        problem = " ".join(str(e).split())[:200]
+        raise ConfigError(f"cannot parse the override {arg!r} ({problem}); write key=value, +key=value, "
+                          "++key=value or ~key, quoting values with spaces: key='a b'") from None
+    if override.is_delete():
+        return override.key_or_group, _DELETE, None
+    return override.key_or_group, override.value(), arg.split("=", 1)[1]
+
+
+def _flag_ops(args: list[str]) -> list[tuple[str, Any, str | None]]:
+    """The command line after the mode, --preset and --config as ordered (key, value, text) operations.
+
+    `--a.b VALUE [VALUE ...]` (tinyzero's flags; several values for a list) and Hydra's overrides mix
+    freely; the later setting of a key wins."""
+    ops, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            name, eq, text = arg[2:].partition("=")
+            name = name.replace("-", "_")
+            if eq:
+                values, i = [text], i + 1
+            else:
+                values, i = [], i + 1
+                while i < len(args) and not args[i].startswith("--") and not _is_override(args[i]):
+                    values.append(args[i])
+                    i += 1
+            if not values:
+                raise ConfigError(f"--{name} needs a value (e.g. --{name} VALUE or {name}=VALUE)")
+            ops.append((name, values, None))
+        elif _is_override(arg):
+            ops.append(_hydra_op(arg))
+            i += 1
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: settings are --section.field VALUE or "
+                              "section.field=VALUE (Hydra style); `train.py --help` lists the fields")
+    return ops
+
+
+def _field_hint(path: str) -> tuple[bool, Any]:
+    """(whether path names a field or section of the root config, its type)."""
+    cls: Any = Config
+    for part in path.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False, None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False, None
+        cls = hints[part]
+    return True, cls
+
+
+def _from_tokens(tokens: list[str], hint: Any, where: str) -> Any:
+    """The value of `--where TOKEN [TOKEN ...]` for a field of type `hint` (tinyzero's flag syntax)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    if optional and len(tokens) == 1 and tokens[0] in ("None", "null", "none", "~"):
+        return None
+    listy = [a for a in ([hint] + args) if typing.get_origin(a) in (list, tuple) or a in (list, tuple, dict)]
+    if listy or hint is dict:
+        if len(tokens) == 1 and tokens[0][:1] in "[{":
+            return _hydra_value(tokens[0])
+        if hint is dict or dict in args:
+            raise ConfigError(f"--{where} takes a mapping written as {{key: value, ...}}")
+        if len(tokens) > 1 or typing.get_origin(hint) in (list, tuple):
+            return [_scalar_text(t) for t in tokens]
+    if len(tokens) != 1:
+        raise ConfigError(f"--{where} takes one value, got {len(tokens)}: {' '.join(tokens)}"[:300])
+    return tokens[0]
+
+
+def _scalar_text(text: str) -> Any:
+    """A list element written on the command line: a number where it reads as one, else the text."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _set_path(tree: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = tree.get(part)
+        if not isinstance(node, dict):
+            node = tree[part] = {}
+        tree = node
+    tree[leaf] = value
+
+
+def _default_of(path: str) -> Any:
+    """The field's default in tinyzero's own config (what Hydra's `~key` goes back to)."""
+    obj: Any = Config()
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return to_dict(obj)
+
+
+def flatten_settings(values: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(key, value) leaves of a nested mapping of settings, in order: a tinyzero section is opened, a
+    tinyzero field (a mapping-typed one too) is a leaf, and another key is a leaf when veRL's table
+    knows it, else opened (veRL's nested keys such as ray_kwargs.ray_init.num_cpus). veRL's
+    `_target_` markers and Hydra's own `defaults` / `hydra` entries carry no setting."""
+    from tinyzero.config.verl import resolve_key
+
+    out = []
+    for key, value in values.items():
+        if key == "_target_" or (not prefix and key in ("defaults", "hydra")):
             continue
-        name = arg[2:].split("=", 1)[0].replace("-", "_")
-        if name not in valid:
-            raise ConfigError(f"unknown flag --{name}{nearest(name, valid)}; `train.py --help` lists them all")
+        path = f"{prefix}{key}"
+        known, hint = _field_hint(path)
+        if isinstance(value, dict) and value and (
+                (known and dataclasses.is_dataclass(hint)) or (not known and resolve_key(path, value) == [(path, value)])):
+            out.extend(flatten_settings(value, path + "."))
+        else:
+            out.append((path, value))
+    return out
+
+
+def apply_settings(base: Config, ops: list[tuple[str, Any, str | None]], source: str = "flag") -> Config:
+    """`base` with the (key, value, text) settings applied in order, veRL keys resolved onto tinyzero's
+    (tinyzero.config.verl); the later setting of a key wins. `text` is the value as a Hydra override
+    wrote it (None for a `--flag`'s tokens and for a file's values): a string field keeps it as written
+    (`name=007`). `source` ("flag" or "file") words the error for an unknown key."""
+    from tinyzero.config.verl import resolve_key
+
+    tree: dict = {}
+    for key, value, text in _expand_sections(ops):
+        known, hint = _field_hint(key)
+        if value is _DELETE:
+            if known and not dataclasses.is_dataclass(hint):
+                _set_path(tree, key, _default_of(key))
+            elif not known:
+                resolve_key(key, None)  # a refused key is refused, an ignored one says so
+            continue
+        if known and text is None and source == "flag" and isinstance(value, list) \
+                and not dataclasses.is_dataclass(hint):
+            value = _from_tokens(value, hint, key)  # --key TOKEN [TOKEN ...]
+        elif known and text is not None and _accepts_str(hint) and value is not None \
+                and not isinstance(value, (str, list, dict)):
+            value = text  # key=007 into a string field stays "007"
+        elif not known and text is None and source == "flag" and isinstance(value, list):
+            value = _hydra_value(value[0]) if len(value) == 1 else [_hydra_value(v) for v in value]
+        for name, resolved in resolve_key(key, value):
+            if source == "flag":
+                _check_known(name, key, text)
+            _set_path(tree, name, resolved)
+    return merge_dict(base, tree)
+
+
+def _expand_sections(ops):
+    """A mapping set on a whole section (`actor_rollout_ref.actor.optim={lr:1e-6}`, a file's nested
+    sections) becomes one setting per leaf."""
+    for key, value, text in ops:
+        known, hint = _field_hint(key)
+        if known and dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            yield from ((k, v, None) for k, v in flatten_settings(value, key + "."))
+        else:
+            yield key, value, text
+
+
+def _hydra_value(text: str) -> Any:
+    """A value typed as Hydra types it (for a veRL key given as `--key VALUE`)."""
+    return _hydra_op(f"x={text}")[1]
+
+
+def _check_known(name: str, key: str, text: str | None) -> None:
+    """An unknown key is a ConfigError naming the nearest field (the whole path, as the user writes it)."""
+    if _field_hint(name)[0]:
+        return
+    shown = f"flag --{key}" if text is None else f"setting {key}"
+    raise ConfigError(f"unknown {shown}{nearest(name, flag_names())}; `train.py --help` lists tinyzero's "
+                      "settings and docs/verl.md the veRL keys it takes")
+
+
+def _accepts_str(hint: Any) -> bool:
+    return hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint))
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """`[MODE] [--preset NAME] [--config FILE] [--section.field VALUE ...]` -> Config.
+    """`[MODE] [--preset NAME] [--config FILE] [--section.field VALUE | section.field=VALUE ...]` -> Config.
 
-    MODE (ppo|sft|rm|dpo) sets trainer.mode; the preset gives the defaults, the YAML file overrides
-    them, the flags override both.
+    MODE (ppo|sft|rm|dpo) sets trainer.mode; the preset gives the defaults, the YAML file (tinyzero's
+    saved config.yaml or a veRL-style config) overrides them, the settings override both, in order.
+    Settings take tinyzero's flags (`--trainer.total_epochs 2`) and Hydra's override grammar as veRL's
+    scripts write it (`trainer.total_epochs=2`, `+trainer.val_before_train=False`, `~key`); veRL's keys
+    resolve onto tinyzero's (tinyzero.config.verl, docs/verl.md).
     """
-    import tyro
-
     args = list(sys.argv[1:] if argv is None else argv)
     mode = None
     if args and args[0] in MODES:
         mode = args.pop(0)
     args, preset = _pop_option(args, "--preset")
     args, config_path = _pop_option(args, "--config")
+    args, config_dir = _pop_option(args, "--config-path")
+    args, config_name = _pop_option(args, "--config-name")
+    if config_name and not config_path:  # veRL's launcher: --config-path DIR --config-name NAME
+        name = config_name if config_name.endswith((".yaml", ".yml")) else config_name + ".yaml"
+        config_path = os.path.join(config_dir or ".", name)
     base = load_preset(preset) if preset else Config()
     if config_path:
         base = load_yaml(config_path, base)
     if mode is not None:
         base = merge_dict(base, {"trainer": {"mode": mode}})
-    check_flags(args)
-    args = [_normalize_bool(a) for a in args]
+    if "--help" in args or "-h" in args:
+        _print_help(base)
+    return apply_settings(base, _flag_ops(args))
+
+
+def _print_help(base: Config) -> None:
+    """`--help`: every field with its docstring (tyro), under the preset's and file's values; exits."""
+    import tyro
+
     from tinyzero.configs import PRESETS
 
     description = (
         "tinyzero: RL post-training (PPO/GRPO/...), SFT, RM and DPO.\n\n"
-        "usage: train.py [ppo|sft|rm|dpo] [--preset NAME] [--config run.yaml] [--section.field VALUE ...]\n"
+        "usage: train.py [ppo|sft|rm|dpo] [--preset NAME] [--config run.yaml] [--section.field VALUE ...] "
+        "[section.field=VALUE ...]\n"
+        "Settings are tinyzero flags or Hydra overrides (veRL's keys too: docs/verl.md); the later one wins.\n"
         f"presets: {', '.join(sorted(PRESETS))}"
     )
-    cfg = tyro.cli(Config, default=base, args=args, description=description, use_underscores=True,
-                   config=(tyro.conf.FlagConversionOff,))
-    return cfg
+    tyro.cli(Config, default=base, args=["--help"], description=description, use_underscores=True,
+             config=(tyro.conf.FlagConversionOff,))
