@@ -19,9 +19,11 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow executing model / tokenizer code shipped inside the model folder. Off unless you trust it."""
     dtype: str = "fp32"
-    """Dtype of the weights held by the training process ("fp32" keeps fp32 master weights; compute dtype
-    is set by `FSDPConfig.mixed_precision`). "auto": bf16 on GPU, fp32 on CPU. "fp64" (with fp64 mixed
-    precision) gives float64 reference runs on CPU."""
+    """Dtype the model's weights are held in (tinyzero.models.precision). A trained model (actor, critic, SFT /
+    RM / DPO policy) keeps fp32 master weights and AdamW state: "auto" and "fp32" mean fp32 there, and
+    "bf16" / "fp16" are refused. Frozen copies (reference, a scoring reward model, the base under LoRA)
+    follow "auto" to the compute dtype (`FSDPConfig.mixed_precision.param_dtype`: bf16 on GPU, fp32 on
+    CPU) or take the named dtype. "fp64" (with fp64 mixed precision) gives float64 reference runs on CPU."""
     attn_implementation: str = "auto"
     """HF attention kernel: "auto" picks flash_attention_2 on GPU when installed, else sdpa."""
     enable_gradient_checkpointing: bool = True

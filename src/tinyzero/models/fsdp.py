@@ -10,8 +10,9 @@ Layout: every decoder layer is its own FSDP unit and the root (embeddings, final
 lm_head / score head) is the last; a 1-D mesh ("dp_shard",) shards over all its ranks, a 2-D mesh
 ("dp_replicate", "dp_shard") is hybrid sharding (HSDP): shard within dim 1, replicate across dim 0
 (tinyzero.distributed.parallel_dims.ParallelDims owns the layout).
-Parameters stay fp32 (master weights); MixedPrecisionPolicy casts them to bf16 for compute
-on GPU and reduces gradients in fp32; on CPU everything is fp32.
+Dtypes come from tinyzero.models.precision: a trained model's parameters stay fp32 (master weights),
+MixedPrecisionPolicy casts them to bf16 for compute on GPU and reduces gradients in fp32; on CPU
+everything is fp32.
 On CPU ranks of one x86 host the units' all-gathers and reduce-scatters go through a shared-memory
 segment (tinyzero.distributed.shm_comm, `fsdp_config.shm_collectives`) instead of gloo's TCP loopback.
 """
@@ -35,7 +36,8 @@ from tinyzero.distributed import collective_timeout_s
 from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.distributed.shm_comm import use_shm_collectives
 from tinyzero.models.config import FSDPConfig, ModelConfig
-from tinyzero.models.loading import check_model_path, load_model, pick_dtype
+from tinyzero.models.loading import check_model_path, load_model
+from tinyzero.models.precision import PrecisionPolicy, check_trained_dtypes, compute_dtypes, resolve_precision
 
 _KINDS = ("causal_lm", "value", "reward")
 
@@ -63,10 +65,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def mixed_precision_policy(fsdp_config: FSDPConfig, device_type: str) -> MixedPrecisionPolicy:
     """bf16 compute / fp32 reduce on GPU by default; fp32 throughout on CPU."""
-    mp = fsdp_config.mixed_precision
-    param_dtype = pick_dtype(device_type, mp.param_dtype)
-    reduce_dtype = pick_dtype(device_type, mp.reduce_dtype)
-    output_dtype = None if mp.output_dtype == "auto" else pick_dtype(device_type, mp.output_dtype)
+    param_dtype, reduce_dtype, output_dtype = compute_dtypes(fsdp_config, device_type)
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype,
                                 cast_forward_inputs=True)
 
@@ -89,8 +88,11 @@ def enable_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
                 enable_gradient_checkpointing: bool = False, tp_mesh: DeviceMesh | None = None,
-                checkpoint_every_n_layers: int = 1) -> nn.Module:
+                checkpoint_every_n_layers: int = 1, precision: PrecisionPolicy | None = None) -> nn.Module:
     """Apply fully_shard to every decoder layer and then the root; return the (same) model object.
+
+    `precision` (tinyzero.models.precision) gives the compute / reduce dtypes; None takes them from
+    `fsdp_config.mixed_precision` on the mesh's device.
 
     With `tp_mesh` (1-D, sliced from the same parent mesh as `mesh`), tensor parallelism
     (models.tensor_parallel) is applied first and FSDP2 shards the DTensors over `mesh` (2-D FSDP + TP).
@@ -101,7 +103,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
         apply_tensor_parallel(model, tp_mesh)
     if enable_gradient_checkpointing:
         enable_activation_checkpointing(model, checkpoint_every_n_layers)
-    mp_policy = mixed_precision_policy(fsdp_config, mesh.device_type)
+    mp_policy = precision.mp_policy() if precision is not None else mixed_precision_policy(fsdp_config,
+                                                                                            mesh.device_type)
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_config.offload_policy else OffloadPolicy()
     )
@@ -145,7 +148,8 @@ def mesh_broadcast(tensor: torch.Tensor, mesh: DeviceMesh, *more: DeviceMesh | N
             dist.broadcast(tensor, group=m.get_group(d), group_src=0)
 
 
-def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.device, dtype):
+def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
+           adapter_dtype: torch.dtype = torch.float32):
     # The CPU copy only supplies weights: give it a kernel that exists on CPU whatever the config asks for.
     attn = "sdpa" if torch.device(device).type == "cpu" else model_config.attn_implementation
     kwargs = dict(dtype=dtype, device=device, attn_implementation=attn,
@@ -155,7 +159,8 @@ def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.
         if model_config.lora_rank:  # before fully_shard, so adapters shard with their layers
             from tinyzero.models.lora import LoraSpec, apply_lora
 
-            apply_lora(model, LoraSpec.from_model_config(model_config), init=torch.device(device).type != "meta")
+            apply_lora(model, LoraSpec.from_model_config(model_config), adapter_dtype,
+                       init=torch.device(device).type != "meta")
         return model
     if model_config.lora_rank:
         raise ValueError(f"model.lora_rank={model_config.lora_rank} applies to the actor only; set it to 0 "
@@ -209,10 +214,14 @@ def load_sharded_model(
     kind: str = "causal_lm",
     dtype: str | torch.dtype | None = None,
     tp_mesh: DeviceMesh | None = None,
+    trainable: bool = True,
 ) -> nn.Module:
     """Build `kind` ("causal_lm" | "value" | "reward") on the meta device, shard it, load weights.
 
     `tp_mesh`: the tensor-parallel axis (1-D, from the same parent mesh as `mesh`); see `parallelize`.
+    `trainable`: an optimizer will update this model; its dtypes then follow the training precision
+    policy (fp32 master weights, tinyzero.models.precision). Frozen roles pass False. `dtype`
+    overrides `model_config.dtype`.
 
     Only the mesh source rank reads the weight files (on CPU); every tensor is broadcast over the
     mesh and each rank keeps its shard, so N ranks never read the checkpoint N times.
@@ -220,11 +229,13 @@ def load_sharded_model(
     if kind not in _KINDS:
         raise ValueError(f"kind={kind!r}: use one of {_KINDS}")
     path = check_model_path(model_config.path)
-    dtype = model_config.dtype if dtype is None else dtype
+    # Decided for the device the model computes on (mesh.device_type), the same on every rank.
+    precision = resolve_precision(model_config, fsdp_config, mesh.device_type, trainable, dtype)
+    dtype = precision.master_dtype
     full_state, error = None, None
     if _is_mesh_source(mesh, tp_mesh):
         try:
-            full = _build(kind, path, model_config, "cpu", dtype)
+            full = _build(kind, path, model_config, "cpu", dtype, precision.adapter_dtype)
             full_state = dict(full.named_parameters()) | dict(full.named_buffers())
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
             error = e
@@ -236,7 +247,7 @@ def load_sharded_model(
         raise error
     if failed.item():
         raise ValueError(f"the first rank of the model's mesh could not load {path!r}; see its error")
-    model = _build(kind, path, model_config, "meta", dtype)
+    model = _build(kind, path, model_config, "meta", dtype, precision.adapter_dtype)
     if getattr(model_config, "use_fused_layers", False):
         if tp_mesh is not None and tp_mesh.size() > 1:
             raise ValueError("model.use_fused_layers works on plain tensors, not under tensor parallelism; "
@@ -245,11 +256,14 @@ def load_sharded_model(
 
         apply_fused_layers(model)
     parallelize(model, mesh, fsdp_config, enable_gradient_checkpointing=model_config.enable_gradient_checkpointing,
-                tp_mesh=tp_mesh, checkpoint_every_n_layers=model_config.gradient_checkpointing_every_n_layers)
+                tp_mesh=tp_mesh, checkpoint_every_n_layers=model_config.gradient_checkpointing_every_n_layers,
+                precision=precision)
     target = torch.device("cpu") if fsdp_config.offload_policy else _comm_device(mesh)
     model.to_empty(device=target)
     broadcast_into_sharded(model, full_state, mesh, tp_mesh)
     del full_state
+    if trainable:
+        check_trained_dtypes(model, precision)
     if hasattr(model, "tie_weights") and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         _check_tied(model)
     return model

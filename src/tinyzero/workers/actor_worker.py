@@ -96,7 +96,7 @@ class ActorRolloutRefWorker(Worker):
             model_config = dataclasses.replace(model_config, enable_gradient_checkpointing=False)
         if not trainable and model_config.lora_rank:  # a reference on its own pool: the base model
             model_config = dataclasses.replace(model_config, lora_rank=0)
-        model = load_role_model(self, model_config, fsdp_config, dims, "causal_lm")
+        model = load_role_model(self, model_config, fsdp_config, dims, "causal_lm", trainable=trainable)
         if not trainable:
             model.requires_grad_(False)
         prepare_attention(model, packing_mode(model_config))

@@ -18,15 +18,18 @@ from tinyzero.models.config import FSDPConfig
 from tinyzero.workers.scaling import all_reduce_sum
 
 
-def load_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: ParallelDims, kind: str):
+def load_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: ParallelDims, kind: str,
+                    trainable: bool = True):
     """Load one role's model over `worker`'s pool with the layout `dims` (tinyzero.distributed.parallel_dims): tensor
     parallelism over its tp axis, FSDP2 over the rest. With sequence parallelism the model's attention
-    becomes Ulysses' and `model.sp_group` holds the group that splits a sequence (else None)."""
+    becomes Ulysses' and `model.sp_group` holds the group that splits a sequence (else None).
+    `trainable=False` for frozen roles (reference, scoring reward model): they may hold their weights in
+    the compute dtype; trained ones keep fp32 master weights (tinyzero.models.precision)."""
     from tinyzero.models.fsdp import load_sharded_model
 
     mesh = dims.build_mesh(worker.device_mesh)
     model = load_sharded_model(model_config, fsdp_config, dims.fsdp_mesh(mesh), kind=kind,
-                               tp_mesh=dims.tp_mesh(mesh))
+                               tp_mesh=dims.tp_mesh(mesh), trainable=trainable)
     model.sp_group = dims.sp_group(worker.device_mesh)
     if model.sp_group is not None:
         from tinyzero.models.ulysses import ULYSSES_ATTENTION, check_heads

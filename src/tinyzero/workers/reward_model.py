@@ -79,7 +79,8 @@ class RewardModelWorker(Worker):
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         if cfg.input_tokenizer:
             self.input_tokenizer = load_tokenizer(cfg.input_tokenizer, cfg.model.trust_remote_code)
-        model = load_role_model(self, cfg.model, cfg.fsdp_config, cfg.parallel_dims(self.world_size), "reward")
+        model = load_role_model(self, cfg.model, cfg.fsdp_config, cfg.parallel_dims(self.world_size), "reward",
+                                trainable=False)
         model.requires_grad_(False)
         self.model = attach_score_method(model)
         offload_after_init(self.model, cfg.fsdp_config)
