@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .kl import KL_ESTIMATORS
 
@@ -64,6 +65,44 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """veRL's off-policy corrections between the rollout engine's policy and the trainer's
+    (`algorithm.rollout_correction`), carried onto tinyzero's settings when the config is built:
+    rollout_is="token" is actor_rollout_ref.actor.tis_imp_ratio_cap=rollout_is_threshold,
+    rollout_rs="seq_mean_k1" is trainer.rollout_rs_threshold=rollout_rs_threshold, and bypass_mode=true
+    is actor_rollout_ref.rollout.use_rollout_log_probs=true."""
+
+    rollout_is: Literal["token"] | None = None
+    """Importance weights min(pi_old / pi_rollout, rollout_is_threshold) per token ("token"); None: off.
+    veRL's "sequence" weights are not implemented (use "token")."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of the importance weights."""
+    rollout_rs: Literal["seq_mean_k1"] | None = None
+    """Rejection sampling: mask a response whose geometric-mean ratio leaves [1/threshold, threshold]
+    ("seq_mean_k1"; the asynchronous pipeline only); None: off."""
+    rollout_rs_threshold: float | None = None
+    """Bound of rollout_rs (> 1, e.g. 2.0)."""
+    bypass_mode: bool = False
+    """The engine's sampling log-probs serve as the PPO old log-probs (two policies instead of three)."""
+    loss_type: Literal["ppo_clip"] = "ppo_clip"
+    """Bypass mode's loss: the PPO clipped objective (veRL's "reinforce" is not implemented)."""
+    rollout_is_batch_normalize: bool = False
+    """Must stay false: the importance weights are used as computed (veRL's batch normalisation to mean 1
+    is not implemented)."""
+
+    def __post_init__(self):
+        if self.rollout_is_batch_normalize:
+            raise ValueError("algorithm.rollout_correction.rollout_is_batch_normalize=true is not supported: the "
+                             "weights are used as computed; set it to false")
+        if self.rollout_is_threshold <= 0:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold must be > 0 "
+                             f"(got {self.rollout_is_threshold})")
+        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
+            raise ValueError(f"algorithm.rollout_correction.rollout_rs={self.rollout_rs} needs rollout_rs_threshold "
+                             "(e.g. 2.0)")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and in-reward KL (`algorithm` section)."""
 
@@ -86,10 +125,14 @@ class AlgorithmConfig:
     """Coefficient controller of the in-reward penalty."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (off by default)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """veRL's rollout correction (importance weights, rejection, bypass mode), off by default."""
 
     def __post_init__(self):
         if isinstance(self.kl_ctrl, dict):
             self.kl_ctrl = KLControlConfig(**self.kl_ctrl)
+        if isinstance(self.rollout_correction, dict):
+            self.rollout_correction = RolloutCorrectionConfig(**self.rollout_correction)
         if isinstance(self.filter_groups, dict):
             self.filter_groups = FilterGroupsConfig(**self.filter_groups)
         if not 0.0 <= self.gamma <= 1.0:

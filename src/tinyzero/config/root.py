@@ -53,6 +53,11 @@ class TrainerConfig:
     """Seed of everything the trainer draws (data order, sampling)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the run: "auto" takes CUDA when available."""
+    n_gpus_per_node: int | None = None
+    """veRL's ranks per node. torchrun decides the world (--nnodes x --nproc_per_node); when set, it is
+    checked against it: n_gpus_per_node x nnodes must equal the torchrun world size. None: not checked."""
+    nnodes: int | None = None
+    """veRL's node count, checked with n_gpus_per_node against torchrun's world (None counts as 1)."""
     placement: Literal["colocate", "split"] = "colocate"
     """"colocate": actor/rollout, ref, critic and reward model share every rank (one process per rank
     holds them all). "split": actor/rollout/ref on the first `actor_pool_size` ranks, critic and
@@ -115,6 +120,12 @@ class TrainerConfig:
     """(prompt, response, score) rows written to samples.jsonl per step (0: none)."""
     log_val_generations: int = 4
     """Validation samples written to samples.jsonl at each validation."""
+    rollout_data_dir: str | None = None
+    """Write every training response of each step to DIR/<step>.jsonl (input, output, gts, score, step and the
+    reward function's extra keys, as veRL dumps them); None: no dump."""
+    validation_data_dir: str | None = None
+    """Write every validation response to DIR/<step>.jsonl at each validation (as rollout_data_dir, plus the
+    "reward" column); None: no dump."""
     progress_bar: bool = True
     """Show a progress bar with ETA on rank 0 (console logger)."""
     plot: bool = True
@@ -186,6 +197,9 @@ class TrainerConfig:
             raise ConfigError('trainer.resume_mode="resume_path" needs trainer.resume_from_path=<checkpoint dir>')
         if self.test_freq == 0 or self.save_freq == 0:
             raise ConfigError("trainer.test_freq / trainer.save_freq must be a positive step count or -1 (off)")
+        for name in ("n_gpus_per_node", "nnodes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1 or None (got {getattr(self, name)})")
         if self.critic_warmup < 0:
             raise ConfigError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
         if not self.collective_timeout_s > 0:
@@ -241,6 +255,7 @@ class Config:
     """DPO loss settings (trainer.mode="dpo")."""
 
     def __post_init__(self):
+        apply_rollout_correction(self)
         check_config(self)
 
     @property
@@ -326,6 +341,21 @@ def check_async(cfg: Config) -> None:
                               "set trainer.max_staleness=0 and trainer.rollout_pool_size=0")
 
 
+def apply_rollout_correction(cfg: Config) -> None:
+    """veRL's algorithm.rollout_correction onto tinyzero's settings (see RolloutCorrectionConfig)."""
+    from tinyzero.config.overrides import override
+
+    rc, arr = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref
+    why = "algorithm.rollout_correction sets it"
+    if rc.rollout_is == "token":
+        override(arr.actor, "tis_imp_ratio_cap", rc.rollout_is_threshold, "actor_rollout_ref.actor.tis_imp_ratio_cap",
+                 why)
+    if rc.rollout_rs == "seq_mean_k1":
+        override(cfg.trainer, "rollout_rs_threshold", rc.rollout_rs_threshold, "trainer.rollout_rs_threshold", why)
+    if rc.bypass_mode:
+        override(arr.rollout, "use_rollout_log_probs", True, "actor_rollout_ref.rollout.use_rollout_log_probs", why)
+
+
 def check_config(cfg: Config) -> None:
     """Checks that need no world size (run when the config is built)."""
     arr = cfg.actor_rollout_ref
@@ -402,11 +432,13 @@ def check_world(cfg: Config, world_size: int) -> None:
     Each role's layout comes from tinyzero.distributed.parallel_dims.ParallelDims (the same object its worker builds),
     so a layout error here is the one the worker would raise, before anything starts."""
     arr = cfg.actor_rollout_ref
+    check_gpus_per_node(cfg.trainer, world_size)
     actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
     if arr.rollout.name == "vllm" and cfg.trainer.placement != "colocate":
         raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
                           "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
     try:
+        convert_global_micro_batches(cfg, actor_ranks, critic_ranks)
         if cfg.trainer.mode != "ppo":  # one model on every rank
             arr.actor.parallel_dims(world_size).check_rows(cfg.data.train_batch_size, "data.train_batch_size",
                                                            "data.train_batch_size")
@@ -430,6 +462,52 @@ def check_world(cfg: Config, world_size: int) -> None:
             cfg.reward_model.parallel_dims(critic_ranks)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_gpus_per_node(trainer: TrainerConfig, world_size: int) -> None:
+    """veRL's trainer.n_gpus_per_node x trainer.nnodes must be the world torchrun started."""
+    if trainer.n_gpus_per_node is None and trainer.nnodes is None:
+        return
+    nnodes = trainer.nnodes or 1
+    if trainer.n_gpus_per_node is None:
+        if world_size % nnodes:
+            raise ConfigError(f"trainer.nnodes={nnodes} does not divide the torchrun world of {world_size} ranks; "
+                              f"launch with torchrun --nnodes {nnodes}, or set trainer.nnodes to the node count")
+        return
+    want = trainer.n_gpus_per_node * nnodes
+    if want != world_size:
+        raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} x trainer.nnodes={nnodes} = {want} "
+                          f"ranks, but torchrun started {world_size}; launch with torchrun --nnodes {nnodes} "
+                          f"--nproc_per_node {trainer.n_gpus_per_node}, or set trainer.n_gpus_per_node and "
+                          f"trainer.nnodes to match the torchrun world")
+
+
+def convert_global_micro_batches(cfg: Config, actor_ranks: int, critic_ranks: int) -> None:
+    """veRL's deprecated global micro-batch sizes become the per-GPU ones, divided by the role's data-parallel
+    size as veRL's workers divide them at start-up (the global field is then cleared)."""
+    from tinyzero.config.overrides import override
+
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    if critic.ppo_micro_batch_size is not None and critic.forward_micro_batch_size is None \
+            and critic.forward_micro_batch_size_per_gpu is None:
+        critic.forward_micro_batch_size = critic.ppo_micro_batch_size  # veRL's interpolation
+    jobs = [(arr.actor, "ppo_micro_batch_size", arr.actor, actor_ranks, "actor_rollout_ref.actor"),
+            (arr.rollout, "log_prob_micro_batch_size", arr.actor, actor_ranks, "actor_rollout_ref.rollout"),
+            (arr.ref, "log_prob_micro_batch_size", arr.ref, actor_ranks, "actor_rollout_ref.ref"),
+            (critic, "ppo_micro_batch_size", critic, critic_ranks, "critic"),
+            (critic, "forward_micro_batch_size", critic, critic_ranks, "critic"),
+            (cfg.reward_model, "micro_batch_size", cfg.reward_model, critic_ranks, "reward_model")]
+    for section, name, role, ranks, where in jobs:
+        value = getattr(section, name)
+        if value is None:
+            continue
+        dp = role.parallel_dims(ranks).dp_size  # the rollout's log-prob pass runs on the actor's layout
+        if value < dp:
+            raise ConfigError(f"{where}.{name}={value} (global) is less than one row for each of the {dp} "
+                              f"data-parallel ranks; set {where}.{name}_per_gpu instead (e.g. 1)")
+        override(section, f"{name}_per_gpu", value // dp, f"{where}.{name}_per_gpu",
+                 f"{where}.{name}={value} (veRL's global form) divided by {dp} data-parallel ranks")
+        setattr(section, name, None)
 
 
 def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:

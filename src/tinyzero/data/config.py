@@ -38,6 +38,11 @@ class DataConfig:
     "filter" (drop them when the dataset loads; the count is printed). "error" and "filter" tokenize
     every prompt once at load."""
 
+    filter_overlong_prompts: bool = False
+    """veRL's switch: drop prompts longer than max_prompt_length when the dataset loads (the count is
+    printed). True makes `truncation` "filter": nothing is left to truncate, as in veRL, where the
+    filter runs before truncation."""
+
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (instruct models); False uses the message
     contents as raw text (base models, and TinyZero's pre-rendered countdown prompts)."""
@@ -76,6 +81,8 @@ class DataConfig:
             self.val_files = [self.val_files]
         self.train_files = list(self.train_files)
         self.val_files = list(self.val_files)
+        if self.filter_overlong_prompts:
+            self.truncation = "filter"
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         for name in ("max_prompt_length", "max_response_length", "train_batch_size", "max_length"):

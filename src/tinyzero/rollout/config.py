@@ -88,6 +88,10 @@ class RolloutConfig:
     3.8-4.7 s at 512, and a lower peak; bench/RESULTS.md)."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Micro-batch size when the rollout worker recomputes log-probs (actor `compute_log_prob`)."""
+    log_prob_micro_batch_size: int | None = None
+    """veRL's deprecated global form of log_prob_micro_batch_size_per_gpu: rows per log-prob forward over
+    all data-parallel ranks, divided by the data-parallel size at start-up (as veRL does) and then
+    replacing log_prob_micro_batch_size_per_gpu. None (default): use log_prob_micro_batch_size_per_gpu."""
     log_prob_use_dynamic_bsz: bool = False
     """Actor `compute_log_prob`: pack rows into micro-batches by token count (at most
     log_prob_max_token_len_per_gpu tokens each) instead of log_prob_micro_batch_size_per_gpu rows."""
@@ -182,6 +186,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
         if self.weight_sync_bucket_mb < 0:
             raise ValueError("rollout.weight_sync_bucket_mb must be >= 0 (0: 512 on GPU, 32 on CPU)")
+        if self.log_prob_micro_batch_size is not None and self.log_prob_micro_batch_size < 1:
+            raise ValueError("rollout.log_prob_micro_batch_size must be >= 1 or None")
         if self.log_prob_micro_batch_size_per_gpu < 1:
             raise ValueError("rollout.log_prob_micro_batch_size_per_gpu must be >= 1")
         if self.log_prob_max_token_len_per_gpu < 1:

@@ -60,6 +60,14 @@ class ParallelLayout(HasLayout):
                 raise ValueError(f"{self.SECTION}.{name} must be >= 1 (got {getattr(self, name)})")
 
 
+def _check_global_micro(section: str, name: str, value: int | None, per_gpu: int | None) -> None:
+    """veRL's deprecated global micro-batch size: positive, and not together with its per-GPU form (veRL's rule)."""
+    _check_positive_or_none(f"{section}.{name}", value)
+    if value is not None and per_gpu is not None:
+        raise ValueError(f"{section}.{name}={value} and {section}.{name}_per_gpu={per_gpu} are both set; remove "
+                         f"{section}.{name} (veRL's deprecated global form) and keep {name}_per_gpu")
+
+
 def rollout_dims(rollout: RolloutConfig, pool_size: int) -> ParallelDims:
     """The rollout engines' layout: tensor-parallel groups of consecutive ranks, one data chunk each."""
     return ParallelDims.for_role(pool_size, tp=rollout.tensor_model_parallel_size,
@@ -138,7 +146,7 @@ class PolicyLossConfig:
     """clip_cov: ... and below this."""
     kl_cov_ratio: float = 0.0002
     """kl_cov: fraction of the micro-batch's response tokens (largest covariance) given the KL penalty."""
-    ppo_kl_coef: float = 1.0
+    ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of |log pi - log pi_old| on the selected tokens."""
 
     def __post_init__(self):
@@ -173,6 +181,9 @@ class ActorConfig(ParallelLayout):
     """Prompts per optimizer step (times rollout.n responses), over all data-parallel ranks."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Rows per forward/backward on one rank (gradient accumulation); None = the rank's whole mini-batch."""
+    ppo_micro_batch_size: int | None = None
+    """veRL's deprecated global form of ppo_micro_batch_size_per_gpu: rows per forward/backward over all data-parallel ranks, divided by the
+    data-parallel size at start-up (as veRL does). None (default): use ppo_micro_batch_size_per_gpu; set one of the two."""
     use_dynamic_bsz: bool = False
     """Pack micro-batches by a token budget (`ppo_max_token_len_per_gpu`) instead of a row count."""
     ppo_max_token_len_per_gpu: int = 16384
@@ -222,6 +233,8 @@ class ActorConfig(ParallelLayout):
         if self.ppo_mini_batch_size <= 0:
             raise ValueError(f"actor.ppo_mini_batch_size must be > 0 (got {self.ppo_mini_batch_size})")
         _check_positive_or_none("actor.ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu)
+        _check_global_micro(self.SECTION, "ppo_micro_batch_size", self.ppo_micro_batch_size,
+                            self.ppo_micro_batch_size_per_gpu)
         if self.ppo_max_token_len_per_gpu <= 0:
             raise ValueError("actor.ppo_max_token_len_per_gpu must be > 0")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -251,6 +264,9 @@ class RefConfig(ParallelLayout):
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Rows per forward on one rank; None = the rank's whole batch."""
+    log_prob_micro_batch_size: int | None = None
+    """veRL's deprecated global form of log_prob_micro_batch_size_per_gpu: rows per forward over all data-parallel ranks, divided by the
+    data-parallel size at start-up (as veRL does). None (default): use log_prob_micro_batch_size_per_gpu; set one of the two."""
     log_prob_use_dynamic_bsz: bool = False
     """Pack forward micro-batches by a token budget."""
     log_prob_max_token_len_per_gpu: int = 16384
@@ -261,6 +277,8 @@ class RefConfig(ParallelLayout):
     def __post_init__(self):
         self.check_layout()
         _check_positive_or_none("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu)
+        _check_global_micro(self.SECTION, "log_prob_micro_batch_size", self.log_prob_micro_batch_size,
+                            self.log_prob_micro_batch_size_per_gpu)
         if self.log_prob_max_token_len_per_gpu <= 0:
             raise ValueError("ref.log_prob_max_token_len_per_gpu must be > 0")
 
@@ -304,8 +322,15 @@ class CriticConfig(ParallelLayout):
     actor's actor_rollout_ref.actor.ppo_mini_batch_size (veRL's default)."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Rows per forward/backward on one rank; None = the rank's whole mini-batch."""
+    ppo_micro_batch_size: int | None = None
+    """veRL's deprecated global form of ppo_micro_batch_size_per_gpu: rows per forward/backward over all data-parallel ranks, divided by the
+    data-parallel size at start-up (as veRL does). None (default): use ppo_micro_batch_size_per_gpu; set one of the two.
+    It also sets forward_micro_batch_size when that is None (veRL's default)."""
     forward_micro_batch_size_per_gpu: int | None = None
     """Rows per forward of compute_values on one rank; None = the rank's whole batch."""
+    forward_micro_batch_size: int | None = None
+    """veRL's deprecated global form of forward_micro_batch_size_per_gpu: rows per forward of compute_values over all data-parallel ranks, divided by the
+    data-parallel size at start-up (as veRL does). None (default): use forward_micro_batch_size_per_gpu; set one of the two."""
     use_dynamic_bsz: bool = False
     """Pack micro-batches by a token budget."""
     ppo_max_token_len_per_gpu: int = 32768
@@ -335,6 +360,10 @@ class CriticConfig(ParallelLayout):
             raise ValueError(f"critic.ppo_mini_batch_size must be > 0 or None (got {self.ppo_mini_batch_size})")
         _check_positive_or_none("critic.ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu)
         _check_positive_or_none("critic.forward_micro_batch_size_per_gpu", self.forward_micro_batch_size_per_gpu)
+        _check_global_micro(self.SECTION, "ppo_micro_batch_size", self.ppo_micro_batch_size,
+                            self.ppo_micro_batch_size_per_gpu)
+        _check_global_micro(self.SECTION, "forward_micro_batch_size", self.forward_micro_batch_size,
+                            self.forward_micro_batch_size_per_gpu)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"critic.loss_agg_mode={self.loss_agg_mode!r} is unknown; use one of {list(LOSS_AGG_MODES)}")
         if self.cliprange_value <= 0:
@@ -360,6 +389,9 @@ class RewardModelConfig(HasLayout):
     re-encoded with the RM's chat template. None = the RM reads the policy's token ids as they are."""
     micro_batch_size_per_gpu: int | None = None
     """Rows per forward on one rank; None = the rank's whole batch."""
+    micro_batch_size: int | None = None
+    """veRL's deprecated global form of micro_batch_size_per_gpu: rows per forward over all data-parallel ranks, divided by the
+    data-parallel size at start-up (as veRL does). None (default): use micro_batch_size_per_gpu; set one of the two."""
     max_length: int | None = None
     """Re-encoded inputs longer than this are truncated on the left (None = no limit)."""
     use_dynamic_bsz: bool = False
@@ -371,5 +403,6 @@ class RewardModelConfig(HasLayout):
 
     def __post_init__(self):
         _check_positive_or_none("reward_model.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        _check_global_micro(self.SECTION, "micro_batch_size", self.micro_batch_size, self.micro_batch_size_per_gpu)
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"reward_model.max_length must be > 0 or None (got {self.max_length})")
