@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinyzero.rewards.sandbox_config import SandboxConfig
+
 __all__ = ["OverlongBufferConfig", "RewardConfig"]
 
 _GSM8K_METHODS = ("strict", "flexible")
@@ -78,9 +80,15 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's overlong reward shaping (off by default)."""
 
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """How programs run for code rewards (codecontests, apps, codeforces, taco): limits, isolation, or
+    a SandboxFusion server (veRL: reward_model.sandbox_fusion)."""
+
     def __post_init__(self):
         if isinstance(self.overlong_buffer, dict):
             self.overlong_buffer = OverlongBufferConfig(**self.overlong_buffer)
+        if isinstance(self.sandbox, dict):
+            self.sandbox = SandboxConfig(**self.sandbox)
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
         if self.parallel_min_batch < 1:
@@ -104,4 +112,5 @@ class RewardConfig:
 
     def scorer_options(self) -> dict:
         """Keyword options passed to built-in scorers."""
-        return {"countdown_last_line_only": self.countdown_last_line_only, "gsm8k_method": self.gsm8k_method}
+        return {"countdown_last_line_only": self.countdown_last_line_only, "gsm8k_method": self.gsm8k_method,
+                "sandbox": self.sandbox}

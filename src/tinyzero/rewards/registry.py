@@ -78,6 +78,13 @@ def _math(solution_str, ground_truth, extra_info=None, **_):
     return math_boxed.score_details(solution_str, ground_truth)
 
 
+@register_scorer("codecontests", "apps", "codeforces", "taco", "code_exec")
+def _code_exec(solution_str, ground_truth, extra_info=None, sandbox=None, **_):
+    from tinyzero.rewards import code_exec  # the sandbox is imported only where code is scored
+
+    return code_exec.compute_score(solution_str, ground_truth, sandbox=sandbox)
+
+
 def get_scorer(data_source: str) -> Callable[..., Any]:
     """The scorer for data_source (exact name, then substring rules); ValueError if none."""
     fn = SCORERS.get(data_source)
