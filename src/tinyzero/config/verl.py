@@ -76,6 +76,18 @@ def _hdfs(value):
                  "(no HDFS copy); set trainer.default_hdfs_dir=null and copy the run folder yourself")
 
 
+def _unless_null(key: str):
+    def fn(value):
+        return [] if value is None else [(key, value)]
+    return fn
+
+
+def _null_as(key: str, empty: Any):
+    def fn(value):
+        return [(key, empty if value is None else value)]
+    return fn
+
+
 def _rollout_name(value):
     if value == "hf":
         return [("actor_rollout_ref.rollout.name", "native")]  # veRL's HF rollout: plain HF generate
@@ -101,10 +113,6 @@ def _dtype_to(target: str):
     return fn
 
 
-def _max_turns(value):
-    return [] if value is None else [("actor_rollout_ref.rollout.multi_turn.max_turns", value)]
-
-
 def _load_contents(section: str):
     def fn(value):
         if value is None or {"model", "optimizer", "extra"} <= set(value):
@@ -112,12 +120,6 @@ def _load_contents(section: str):
         raise _error(f"{section}.checkpoint.load_contents={list(value)}: tinyzero's resume loads everything a "
                      "checkpoint holds (model, optimizer, extra); nearest supported setting: "
                      f"{section}.checkpoint.load_contents=[model,optimizer,extra], or trainer.resume_mode=disable")
-    return fn
-
-
-def _lr_scheduler(target: str):
-    def fn(value):
-        return [] if value is None else [(target, value)]
     return fn
 
 
@@ -163,6 +165,13 @@ KEYS: dict[str, Rule] = {
     "trainer.max_critic_ckpt_to_keep": _rename("trainer.max_ckpt_to_keep",
                                                "actor and critic are saved in one step folder, kept together"),
     "actor_rollout_ref.nccl_timeout": _convert(_nccl_timeout, "the timeout of every collective, in seconds"),
+    # ---- tinyzero keys that veRL's YAML sets to null where tinyzero has a value
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _convert(_unless_null(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
+                                                             "null: tinyzero's default"),
+    f"{MODEL}.tokenizer_path": _convert(_null_as(f"{MODEL}.tokenizer_path", ""), "null: the model's folder"),
+    "critic.model.tokenizer_path": _convert(_null_as("critic.model.tokenizer_path", ""), "null: the model's folder"),
+    "data.seed": _convert(_unless_null("data.seed"), "null: tinyzero's seeded order (data.seed=1)"),
+    "trainer.resume_from_path": _convert(_null_as("trainer.resume_from_path", ""), "null: none"),
     # ---- data
     "data.filter_overlong_prompts_workers": _ignore("prompts are filtered in the loading process"),
     "data.tokenizer": _refuse("the tokenizer comes from the model folder", "actor_rollout_ref.model.tokenizer_path",
@@ -280,7 +289,7 @@ KEYS: dict[str, Rule] = {
                                                    f"{ROLLOUT}.dtype", None),
     f"{ROLLOUT}.mtp": _refuse("no multi-token prediction", f"{ROLLOUT}.mtp=null", None),
     f"{ROLLOUT}.profiler.*": _ignore(PROFILE),
-    f"{ROLLOUT}.multi_turn.max_assistant_turns": _convert(_max_turns, "multi_turn.max_turns (null: tinyzero's "
+    f"{ROLLOUT}.multi_turn.max_assistant_turns": _convert(_unless_null(f"{ROLLOUT}.multi_turn.max_turns"), "multi_turn.max_turns (null: tinyzero's "
                                                           "default)"),
     f"{ROLLOUT}.multi_turn.max_user_turns": _refuse("user turns come from a multi_turn.environment",
                                                     f"{ROLLOUT}.multi_turn.environment", None),
@@ -358,9 +367,9 @@ for _role in (ACTOR, "critic"):
         f"{_role}.optim.optimizer_impl": _refuse("tinyzero's optimizer is torch.optim.AdamW",
                                                  f"{_role}.optim.implementation", "torch.optim"),
         f"{_role}.optim.clip_grad": _rename(f"{_role}.grad_clip"),
-        f"{_role}.optim.lr_scheduler_type": _convert(_lr_scheduler(f"{_role}.optim.warmup_style"),
+        f"{_role}.optim.lr_scheduler_type": _convert(_unless_null(f"{_role}.optim.warmup_style"),
                                                      "optim.warmup_style"),
-        f"{_role}.optim.warmup_style": _convert(_lr_scheduler(f"{_role}.optim.warmup_style"),
+        f"{_role}.optim.warmup_style": _convert(_unless_null(f"{_role}.optim.warmup_style"),
                                                 "null: optim.lr_scheduler_type decides"),
         f"{_role}.optim.override_optimizer_config": _refuse("AdamW takes the optim section's settings",
                                                             f"{_role}.optim.betas / weight_decay", None, {}),
@@ -444,10 +453,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+_warned: set[str] = set()
+
+
 def _warn_ignored(path: str, value: Any, why: str) -> None:
+    """One warning per ignored key and process, on rank 0."""
     from tinyzero.distributed import get_rank
 
-    if get_rank() == 0:  # warnings shows each distinct message once per process
+    if path not in _warned and get_rank() == 0:
+        _warned.add(path)
         warnings.warn(f"{path}={_short(value)} ignored: {why}", UserWarning, stacklevel=3)
 
 
