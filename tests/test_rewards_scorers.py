@@ -140,12 +140,12 @@ def test_adversarial_responses_score_in_bounded_time(body):
     ("so 2 + 3 = 5\n#### 5", "5", "strict", 1.0),
     ("#### 1,000", "1000", "strict", 1.0),
     ("#### $42", "42", "strict", 0.0),  # veRL / TinyZero: "$" breaks the strict format
-    ("#### 42", "$42", "strict", 1.0),  # a "$" in the ground truth is dropped, as in veRL
+    ("#### 42", "$42", "strict", 0.0),  # veRL compares with the ground truth as given
     ("#### 4 then #### 5", "5", "strict", 1.0),
     ("the answer is 5", "5", "strict", 0.0),
     ("#### 6", "5", "strict", 0.0),
-    ("the answer is 5.", "5", "flexible", 1.0),
-    ("the answer is 1,234 apples", "1234", "flexible", 1.0),
+    ("the answer is 5.", "5", "flexible", 0.0),  # veRL's flexible keeps the run as it stands: "5."
+    ("the answer is 1,234 apples", "1,234", "flexible", 1.0),
     ("first 5 then 7", "5", "flexible", 0.0),
     ("no numbers", "5", "flexible", 0.0),
     ("#### -3", "-3", "strict", 1.0),
@@ -203,7 +203,8 @@ def test_registry_lookup_rules():
     assert get_scorer("countdown") is get_scorer("my_countdown_v2")  # substring rule
     assert get_scorer("yolo/multiply-3_digit") is get_scorer("arithmetic")
     assert get_scorer("openai/gsm8k") is get_scorer("gsm8k")
-    assert get_scorer("lighteval/MATH") is get_scorer("math")
+    assert get_scorer("lighteval/MATH") is get_scorer("HuggingFaceH4/MATH-500")
+    assert get_scorer("math") is get_scorer("aime2024")  # veRL: math and aime* use the DAPO scorer
     with pytest.raises(ValueError, match="no reward function"):
         get_scorer("openai/humaneval")
     with pytest.raises(ValueError, match="custom_fn"):

@@ -1,13 +1,29 @@
-"""RewardConfig: how rule-based rewards are computed (the `reward` section of the root config)."""
+"""How rule-based rewards are computed: RewardConfig (the `reward` section of the root config) and
+CustomRewardFunctionConfig (veRL's top-level `custom_reward_function` section).
+
+veRL's names for a user reward function and the reward manager:
+
+    custom_reward_function.path=my_reward.py custom_reward_function.name=compute_score
+    +custom_reward_function.reward_kwargs.weight=0.5      # extra keyword arguments of every call
+    reward_model.reward_manager=batch                     # naive | batch | dapo | prime
+    +reward_model.reward_kwargs.threshold=3               # keyword arguments of the reward manager
+
+The older `reward.custom_fn=path/to/file.py:name` keeps working (positional call, no reward_kwargs).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tinyzero.rewards.sandbox_config import SandboxConfig
 
-__all__ = ["OverlongBufferConfig", "RewardConfig"]
+__all__ = ["CustomRewardFunctionConfig", "OverlongBufferConfig", "RewardConfig", "RewardManagerName",
+           "REWARD_MANAGERS"]
+
+RewardManagerName = Literal["naive", "batch", "dapo", "prime"]
+"""veRL's reward managers (reward_model.reward_manager); see tinyzero.rewards.manager for what each changes."""
+REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
 
 _GSM8K_METHODS = ("strict", "flexible")
 _ON_ERROR = ("raise", "zero")
@@ -114,3 +130,33 @@ class RewardConfig:
         """Keyword options passed to built-in scorers."""
         return {"countdown_last_line_only": self.countdown_last_line_only, "gsm8k_method": self.gsm8k_method,
                 "sandbox": self.sandbox}
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A user reward function, as veRL's `custom_reward_function` section names it."""
+
+    path: str | None = None
+    """Python file holding the function. It is called for every sample as veRL calls it:
+    `name(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)` (an
+    `async def` works too), returning a score or a dict with "score" whose every key is kept as
+    reward_extra_info. With reward_model.reward_manager=batch it is called once per batch with lists.
+    None: the built-in scorers, chosen by data_source."""
+
+    name: str = "compute_score"
+    """Name of the function in `path`."""
+
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of every call (veRL: custom_reward_function.reward_kwargs); they win
+    over the call's own arguments of the same name."""
+
+    def __post_init__(self):
+        if not isinstance(self.reward_kwargs, dict):
+            raise ValueError(f"custom_reward_function.reward_kwargs must be a mapping of keyword arguments, got "
+                             f"{type(self.reward_kwargs).__name__} {self.reward_kwargs!r:.100}")
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"custom_reward_function.name must be a function name, got {self.name!r}")
+
+    def spec(self) -> str | None:
+        """`path:name` (the form load_custom_fn takes), or None when no function is set."""
+        return f"{self.path}:{self.name}" if self.path else None

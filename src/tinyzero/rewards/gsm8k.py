@@ -1,20 +1,13 @@
-"""GSM8K reward: the final answer after "####" (strict) or the last number (flexible).
+"""GSM8K reward (data_source openai/gsm8k): veRL's `verl/utils/reward_score/gsm8k.py` rule.
 
-strict:   the last "#### <number>" in the response, commas removed. As in veRL and TinyZero the
-          number must follow "#### " directly: "#### $72" holds no strict answer and scores 0.
-flexible: the last number-looking run of digits, dots and commas that is not just "."; commas
-          removed and trailing dots dropped ("... is 42." gives "42").
-The extracted string is compared with the ground truth as a string, as veRL does; a
-found-but-wrong answer scores `format_score` (0 by default).
-
-Where this differs from veRL's `gsm8k.py` (current veRL; TinyZero's older copy takes the first
-"####" match, not the last):
-1. Only the last 10,000 characters are searched (veRL clips to 300): the answer sits at the end,
-   and a 10 MB response then costs no more than a short one.
-2. flexible drops commas and trailing dots from the number ("1,234." gives "1234"); veRL compares
-   the raw run, so "... is 42." scores 0 there.
-3. The ground truth is stripped of commas and "$" before the comparison (veRL uses it as given;
-   the gsm8k preprocessing writes plain numbers, so the two agree on its data).
+Only the last 300 characters of the response are read (veRL's clip; the answer sits at the end).
+strict:   the last "#### <number>" (a run of digits, dots and commas, optionally after "-"), commas
+          removed. The number must follow "#### " directly: "#### $72" holds no strict answer.
+flexible: the last run of digits, dots and commas (optionally after "-") that is not just ".", as it
+          stands: "... is 42." gives "42." and "1,234" stays "1,234" (when every run is ".", ".").
+The extracted string is compared with the ground truth as given (veRL's gsm8k preprocessing writes
+plain numbers without commas): equal scores `score` (1.0), found-but-different `format_score` (0.0),
+no answer 0.
 """
 
 from __future__ import annotations
@@ -26,11 +19,7 @@ __all__ = ["compute_score", "score_details", "extract_solution"]
 _STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 _FLEXIBLE_RE = re.compile(r"(\-?[0-9\.\,]+)")
 _METHODS = ("strict", "flexible")
-_CLIP_CHARS = 10_000
-
-
-def _normalize(answer: str) -> str:
-    return answer.replace(",", "").replace("$", "").strip()
+_CLIP_CHARS = 300
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
@@ -40,12 +29,12 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     solution_str = solution_str[-_CLIP_CHARS:]
     if method == "strict":
         found = _STRICT_RE.findall(solution_str)
-        return _normalize(found[-1]) if found else None
-    candidate = next((t for t in reversed(_FLEXIBLE_RE.findall(solution_str)) if t not in ("", ".")), None)
-    if candidate is None:
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    found = _FLEXIBLE_RE.findall(solution_str)
+    if not found:
         return None
-    candidate = _normalize(candidate).rstrip(".")
-    return candidate or None
+    # veRL's loop leaves its variable on the first run when every run is ".": that "." is the answer.
+    return next((t for t in reversed(found) if t not in ("", ".")), found[0])
 
 
 def score_details(solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0,
@@ -54,7 +43,7 @@ def score_details(solution_str: str, ground_truth, method: str = "strict", forma
     answer = extract_solution(solution_str, method=method)
     if answer is None:
         return {"score": 0.0, "acc": False, "formatted": False}
-    if answer == _normalize(str(ground_truth)):
+    if answer == ground_truth:
         return {"score": float(score), "acc": True, "formatted": True}
     return {"score": float(format_score), "acc": False, "formatted": True}
 

@@ -20,6 +20,24 @@ processes under reward.timeout_s per sample and reward.batch_timeout_s per batch
 scorers are trusted and run in-process (a pool only for large batches). A scorer that raises,
 returns no valid finite score, or runs out of the batch budget stops the run with the sample and
 the traceback (reward.on_error="raise", the default), or scores 0 and is counted ("zero").
+
+Every key of a scorer's dict result travels as `RewardOutput.reward_extra_info` (key -> one plain
+value per sample, None where a sample's result lacks the key) and in the per-sample records.
+
+veRL's reward managers (reward_model.reward_manager) change how scoring is called:
+  naive  one call per sample (the default).
+  batch  the user function (custom_reward_function) is called once per rank's share of the batch:
+         `fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...],
+         **reward_model.reward_kwargs)` returning one score or dict per sample.
+  dapo   one call per sample on the response with a trailing eos text removed; a bare-number result
+         is also reported as reward_extra_info["acc"]; reward_model.reward_kwargs.overlong_buffer_cfg
+         (enable, len, penalty_factor, log) with max_resp_len adds DAPO's overlong penalty (log adds
+         the "overlong_reward" and "overlong" keys).
+  prime  one positional call per sample; a tuple's first element is the score, None scores 0; no
+         reward_extra_info (veRL's prime manager returns none). A function that raises follows
+         reward.on_error (veRL's prime manager scores it 0 silently).
+A user function of custom_reward_function gets extra_info with "num_turns" and
+"rollout_reward_scores" added, as veRL's managers pass them.
 """
 
 from __future__ import annotations
@@ -35,13 +53,18 @@ import torch
 import torch.distributed as dist
 
 from tinyzero.distributed import get_rank
-from tinyzero.rewards.config import RewardConfig
-from tinyzero.rewards.overlong import apply_overlong_penalty
+from tinyzero.rewards.config import (
+    REWARD_MANAGERS,
+    CustomRewardFunctionConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+)
+from tinyzero.rewards.overlong import apply_overlong_penalty, overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
-from tinyzero.rewards.scoring import ScoringPool, score_tasks
+from tinyzero.rewards.scoring import ScorerSpec, ScoringPool, score_tasks
 from tinyzero.runtime.progress import report_progress
 
-__all__ = ["RewardError", "RewardManager", "RewardOutput"]
+__all__ = ["RewardError", "RewardManager", "RewardOutput", "reward_extra_info"]
 
 PROGRESS_EVERY_S = 30.0
 """A scoring batch that runs longer than this prints a progress line this often (rank 0)."""
@@ -63,7 +86,10 @@ class RewardOutput:
     """reward/<data_source>/{score_mean,acc,format_rate,count}, overall reward/{...}, error counts."""
     samples: list[dict] = field(default_factory=list)
     """Per sample: data_source, prompt (when `prompts` is in the batch), response, ground_truth,
-    score, acc, formatted, error, timeout -- for samples.jsonl."""
+    every reward_extra_info key, score, acc, formatted, error, timeout -- for samples.jsonl."""
+    reward_extra_info: dict[str, list] = field(default_factory=dict)
+    """veRL's reward_extra_info: every key a scorer's dict result held -> one plain Python value per
+    sample (None where that sample's result lacks the key); {} when every result was a bare number."""
 
 
 def _rank() -> int:
@@ -99,6 +125,23 @@ def _sample_text(i: int, task: tuple, world: int) -> str:
             f"{ground_truth!r:.200})")
 
 
+def _strip_suffix(text: str, suffix: str | None) -> str:
+    return text[:-len(suffix)] if suffix and text.endswith(suffix) else text
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value
+
+
+def reward_extra_info(results: list[dict]) -> dict[str, list]:
+    """veRL's reward_extra_info from per-sample results: every key of any sample's "extra" (in first-seen
+    order) -> one value per sample, None where a sample lacks the key."""
+    keys: dict[str, None] = {}
+    for r in results:
+        keys.update(dict.fromkeys(r.get("extra", {})))
+    return {k: [r.get("extra", {}).get(k) for r in results] for k in keys}
+
+
 def _response_lengths(data) -> torch.Tensor:
     """Tokens of each response to decode and score: the attention mask's response span (a multi-turn
     response holds observation tokens with response_mask 0 between the model's own), else response_mask."""
@@ -113,37 +156,115 @@ def _response_lengths(data) -> torch.Tensor:
     return mask.to(torch.long).sum(-1)
 
 
-class RewardManager:
-    """Scores generated responses with the data_source's rule (see the module docstring)."""
+_DAPO_KWARGS = ("overlong_buffer_cfg", "max_resp_len")
 
-    def __init__(self, tokenizer, config: RewardConfig | None = None):
+
+def _dapo_overlong(manager_kwargs: dict) -> tuple[OverlongBufferConfig | None, bool, int | None]:
+    """(overlong config or None, log, max_resp_len) from the dapo manager's reward_kwargs."""
+    cfg = manager_kwargs.get("overlong_buffer_cfg")
+    if cfg is None:
+        return None, False, None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"reward_model.reward_kwargs.overlong_buffer_cfg must be a mapping (enable, len, "
+                         f"penalty_factor, log), got {cfg!r:.100}")
+    unknown = sorted(set(cfg) - {"enable", "len", "penalty_factor", "log"})
+    if unknown:
+        raise ValueError(f"reward_model.reward_kwargs.overlong_buffer_cfg: unknown keys {unknown}; known: enable, "
+                         "len, penalty_factor, log")
+    buffer = OverlongBufferConfig(enable=bool(cfg.get("enable", False)), len=int(cfg.get("len", 4096)),
+                                  penalty_factor=float(cfg.get("penalty_factor", 1.0)))
+    max_resp_len = manager_kwargs.get("max_resp_len")
+    if buffer.enable and max_resp_len is not None and int(max_resp_len) < buffer.len:
+        raise ValueError(f"reward_model.reward_kwargs.max_resp_len={max_resp_len} must be >= "
+                         f"overlong_buffer_cfg.len={buffer.len}")
+    return buffer, bool(cfg.get("log", False)), None if max_resp_len is None else int(max_resp_len)
+
+
+def _scorer_spec(config: RewardConfig, custom: CustomRewardFunctionConfig | None, manager: str,
+                 manager_kwargs: dict) -> ScorerSpec:
+    """What scores the samples and how it is called; ValueError naming the setting for a bad combination."""
+    if manager not in REWARD_MANAGERS:
+        raise ValueError(f"reward_model.reward_manager must be one of {REWARD_MANAGERS}, got {manager!r}")
+    if not isinstance(manager_kwargs, dict):
+        raise ValueError(f"reward_model.reward_kwargs must be a mapping, got {manager_kwargs!r:.100}")
+    path = custom.spec() if custom is not None else None
+    if path and config.custom_fn:
+        raise ValueError(f"both custom_reward_function.path ({path}) and reward.custom_fn ({config.custom_fn}) are "
+                         "set; keep one (custom_reward_function is veRL's name and takes reward_kwargs)")
+    if manager == "batch" and not path:
+        raise ValueError("reward_model.reward_manager=batch calls a batch reward function: set "
+                         "custom_reward_function.path (and .name) to a function taking data_sources, "
+                         "solution_strs, ground_truths, extra_infos")
+    if manager == "dapo":
+        unknown = sorted(set(manager_kwargs) - set(_DAPO_KWARGS))
+        if unknown:
+            raise ValueError(f"reward_model.reward_kwargs: the dapo reward manager takes {list(_DAPO_KWARGS)}, "
+                             f"got {unknown}")
+    elif manager != "batch" and manager_kwargs:
+        raise ValueError(f"reward_model.reward_kwargs {sorted(manager_kwargs)} are arguments of the reward manager; "
+                         f"the {manager} manager takes none (batch passes them to the batch function, dapo takes "
+                         f"{list(_DAPO_KWARGS)}); arguments of the reward function go in "
+                         "custom_reward_function.reward_kwargs")
+    options = config.scorer_options()
+    if path:
+        kwargs = dict(custom.reward_kwargs)
+        if manager == "batch":
+            kwargs = {**manager_kwargs, **kwargs}  # veRL: the function's own kwargs win over the manager's
+        call = {"batch": "batch", "prime": "prime"}.get(manager, "keyword")
+        return ScorerSpec(custom_fn=path, call=call, reward_kwargs=kwargs, options=options)
+    if config.custom_fn:
+        return ScorerSpec(custom_fn=config.custom_fn, call="prime" if manager == "prime" else "positional",
+                          options=options)
+    return ScorerSpec(options=options)
+
+
+class RewardManager:
+    """Scores generated responses with the data_source's rule (see the module docstring).
+
+    custom_function: veRL's custom_reward_function section; reward_manager / reward_kwargs: veRL's
+    reward_model.reward_manager and reward_model.reward_kwargs.
+    """
+
+    def __init__(self, tokenizer, config: RewardConfig | None = None,
+                 custom_function: CustomRewardFunctionConfig | None = None, reward_manager: str = "naive",
+                 reward_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.config = config if config is not None else RewardConfig()
-        if self.config.custom_fn:
-            load_custom_fn(self.config.custom_fn)  # fail at start-up on a bad path / name
+        self.manager = reward_manager
+        manager_kwargs = dict(reward_kwargs or {})
+        self.spec = _scorer_spec(self.config, custom_function, reward_manager, manager_kwargs)
+        self._overlong, self._overlong_log, self._max_resp_len = (
+            _dapo_overlong(manager_kwargs) if reward_manager == "dapo" else (None, False, None))
+        if self._overlong is not None and self._overlong.enable and self.config.overlong_buffer.enable:
+            raise ValueError("both reward.overlong_buffer.enable and reward_model.reward_kwargs.overlong_buffer_cfg."
+                             "enable are set; keep one")
+        if self.spec.custom_fn:
+            what = "custom_reward_function" if self.spec.call != "positional" else "reward.custom_fn"
+            load_custom_fn(self.spec.custom_fn, what=what)  # fail at start-up on a bad path / name
         self._pool: ScoringPool | None = None
         self._printed: set[str] = set()  # warnings already printed (each kind once per manager)
 
     def check_data_sources(self, data_sources) -> None:
         """Raise ValueError now if any data_source has no scorer (call before training)."""
-        check_data_sources(data_sources, self.config.custom_fn)
+        check_data_sources(data_sources, self.spec.custom_fn)
 
     # ------------------------------------------------------------------ scoring
     def _scorer_name(self, data_source: str) -> str:
-        if self.config.custom_fn:
-            return f"reward.custom_fn {self.config.custom_fn}"
+        if self.spec.custom_fn:
+            what = "reward.custom_fn" if self.spec.call == "positional" else "custom_reward_function"
+            return f"{what} {self.spec.custom_fn}"
         return f"the built-in scorer of data_source {data_source!r}"
 
     def _score(self, tasks: list) -> tuple[list[dict], bool]:
-        cfg = self.config
-        pooled = bool(cfg.custom_fn) or (cfg.num_workers > 0 and len(tasks) >= cfg.parallel_min_batch)
+        cfg, custom = self.config, bool(self.spec.custom_fn)
+        pooled = custom or (cfg.num_workers > 0 and len(tasks) >= cfg.parallel_min_batch)
         if not pooled:
-            results = score_tasks(tasks, None, cfg.scorer_options(), cfg.timeout_s)
+            results = score_tasks(tasks, timeout_s=cfg.timeout_s, spec=self.spec)
             report_progress("reward", scored=len(tasks), of=len(tasks))
             return results, False
         if self._pool is None:
-            self._pool = ScoringPool(max(1, cfg.num_workers), cfg.custom_fn, cfg.scorer_options(), cfg.timeout_s,
-                                     batch_timeout_s=cfg.batch_timeout_s if cfg.custom_fn else 0.0)
+            self._pool = ScoringPool(max(1, cfg.num_workers), timeout_s=cfg.timeout_s, spec=self.spec,
+                                     batch_timeout_s=cfg.batch_timeout_s if custom else 0.0)
         start, last_line = time.monotonic(), [time.monotonic()]
         name = self._scorer_name(tasks[0][0]) if tasks else ""
 
@@ -155,8 +276,10 @@ class RewardManager:
                 print(f"[reward] {done}/{total} samples scored by {name} in {now - start:.0f} s "
                       f"(reward.batch_timeout_s={cfg.batch_timeout_s:g})", flush=True)
 
-        # A user function (1 sample per message) is charged per sample; built-ins go in chunks.
-        return self._pool.score(tasks, chunk_size=1 if cfg.custom_fn else None, on_progress=on_progress), True
+        # A user function (1 sample per message) is charged per sample; built-ins go in chunks; a batch
+        # function gets the rank's whole share in one call.
+        chunk = max(1, len(tasks)) if self.spec.call == "batch" else 1 if custom else None
+        return self._pool.score(tasks, chunk_size=chunk, on_progress=on_progress), True
 
     def _score_sharded(self, tasks: list) -> tuple[list[dict], bool]:
         """Every sample scored once across the ranks; every rank gets every result."""
@@ -165,8 +288,9 @@ class RewardManager:
         try:
             local, parallel = self._score(shard)
         except Exception as e:  # noqa: BLE001 - e.g. a worker that cannot start: every rank must learn of it
-            error = {"score": 0.0, "acc": False, "formatted": False, "error": f"{type(e).__name__}: {e}"[:500],
-                     "timeout": False, "traceback": traceback.format_exc()[-4000:]}
+            error = {"score": 0.0, "acc": False, "formatted": False, "extra": {},
+                     "error": f"{type(e).__name__}: {e}"[:500], "timeout": False,
+                     "traceback": traceback.format_exc()[-4000:]}
             local, parallel = [dict(error) for _ in shard], True
         # Only the first traceback of a shard travels (the others are dropped: one is printed).
         seen = False
@@ -235,17 +359,24 @@ class RewardManager:
         for key in ("data_source", "reward_model"):
             if key not in nt:
                 raise ValueError(f"RewardManager needs non-tensor `{key}` in the batch (from the dataset row)")
-        extra = nt.get("extra_info")
+        if self.manager == "dapo":
+            texts = [_strip_suffix(t, getattr(self.tokenizer, "eos_token", None)) for t in texts]
         tasks = []
         for i in range(batch_size):
             rm = nt["reward_model"][i]
             if not isinstance(rm, dict) or "ground_truth" not in rm:
                 raise ValueError(f"row {i}: reward_model must be a dict with 'ground_truth', got {rm!r}"[:300])
-            tasks.append((str(nt["data_source"][i]), texts[i], rm["ground_truth"],
-                          extra[i] if extra is not None else None))
+            tasks.append((str(nt["data_source"][i]), texts[i], rm["ground_truth"], self._extra_info(nt, i)))
         results, parallel = self._score_sharded(tasks)
         self._check_results(tasks, results)
         results = [{k: v for k, v in r.items() if k not in ("traceback", "gave_up")} for r in results]
+        if self.manager == "prime":
+            for r in results:
+                r["extra"] = {}
+        elif self.manager == "dapo":
+            for r in results:
+                if not r["extra"] and r["error"] is None and not r["timeout"]:
+                    r["extra"] = {"acc": r["score"]}  # veRL's DAPO manager reports a bare score as acc
 
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
         token_level_scores = torch.zeros(batch_size, response_len, dtype=torch.float32)
@@ -254,20 +385,44 @@ class RewardManager:
         token_level_scores[rows[has_tokens], lengths.cpu()[has_tokens] - 1] = scores[has_tokens]
         token_level_scores = token_level_scores.to(responses.device)
 
+        metrics = self._metrics(tasks, results)
+        token_level_scores = apply_overlong_penalty(token_level_scores, lengths, self.config.overlong_buffer, metrics)
+        if self._overlong is not None and self._overlong.enable:
+            token_level_scores = apply_overlong_penalty(token_level_scores, lengths, self._overlong, metrics,
+                                                        max_response_length=self._max_resp_len)
+            if self._overlong_log:
+                m = self._max_resp_len or response_len
+                penalty = overlong_penalty(lengths.cpu(), m, self._overlong.len, self._overlong.penalty_factor)
+                for r, p in zip(results, penalty.tolist()):
+                    r["extra"] = {**r["extra"], "overlong_reward": p, "overlong": p < 0}
+        extra_info = reward_extra_info(results)
         prompts = self._decode_prompts(data)
         samples = []
         for i, (task, r) in enumerate(zip(tasks, results)):
-            sample = {"data_source": task[0], "response": task[1], "ground_truth": task[2], **r}
+            core = {k: v for k, v in r.items() if k != "extra"}
+            sample = {"data_source": task[0], "response": task[1], "ground_truth": task[2], **r["extra"], **core}
             if prompts is not None:
                 sample = {"prompt": prompts[i], **sample}
             samples.append(sample)
-        metrics = self._metrics(tasks, results)
-        token_level_scores = apply_overlong_penalty(token_level_scores, lengths, self.config.overlong_buffer, metrics)
         metrics["reward/parallel"] = float(parallel)
         metrics["timing_s/reward"] = time.perf_counter() - start
         self._examine(samples)
         return RewardOutput(token_level_scores=token_level_scores, scores=scores.to(responses.device),
-                            metrics=metrics, samples=samples)
+                            metrics=metrics, samples=samples, reward_extra_info=extra_info)
+
+    def _extra_info(self, nt, i: int):
+        """Row i's extra_info; for a custom_reward_function, a copy with veRL's num_turns and
+        rollout_reward_scores added."""
+        extra = nt.get("extra_info")
+        row = extra[i] if extra is not None else None
+        if not self.spec.custom_fn or self.spec.call not in ("keyword", "batch"):
+            return row
+        row = dict(row) if isinstance(row, dict) else {}
+        turns = nt.get("__num_turns__", nt.get("num_turns"))
+        row["num_turns"] = None if turns is None else _plain(turns[i])
+        scores = nt.get("reward_scores")
+        row["rollout_reward_scores"] = scores[i] if scores is not None else {}
+        return row
 
     # ------------------------------------------------------------------ helpers
     def _decode_prompts(self, data) -> list[str] | None:

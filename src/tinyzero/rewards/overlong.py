@@ -34,7 +34,7 @@ def overlong_penalty(lengths: torch.Tensor, max_response_length: int, buffer_len
 
 
 def apply_overlong_penalty(token_level_scores: torch.Tensor, lengths: torch.Tensor, config: OverlongBufferConfig,
-                           metrics: dict[str, float]) -> torch.Tensor:
+                           metrics: dict[str, float], max_response_length: int | None = None) -> torch.Tensor:
     """token_level_scores (batch, response_len) with the penalty added at each response's last valid token.
 
     The response width is data.max_response_length: every rollout engine pads responses to it. A
@@ -44,7 +44,8 @@ def apply_overlong_penalty(token_level_scores: torch.Tensor, lengths: torch.Tens
     """
     if not config.enable:
         return token_level_scores
-    batch_size, max_response_length = token_level_scores.shape
+    batch_size, width = token_level_scores.shape
+    max_response_length = width if max_response_length is None else max_response_length  # veRL's max_resp_len
     lengths = lengths.to(token_level_scores.device)
     penalty = overlong_penalty(lengths, max_response_length, config.len, config.penalty_factor)  # (batch,)
     rows = torch.nonzero(lengths > 0).squeeze(-1)

@@ -1,10 +1,17 @@
 """Scoring many samples: per-sample time limit, error capture, and a pool of killable processes.
 
 A task is (data_source, solution_str, ground_truth, extra_info). Every task yields a dict
-{"score", "acc", "formatted", "error", "timeout"}; a scorer that raises, returns something that
-is not a finite score, or runs past the time limit yields score 0 with `error` (the exception
-text; the formatted traceback under "traceback") or `timeout` set, and the batch goes on. What a
-failure then means (stop the run, or count it) is RewardManager's decision (reward.on_error).
+{"score", "acc", "formatted", "extra", "error", "timeout"} ("extra": every key of a dict result, the
+sample's reward_extra_info); a scorer that raises, returns something that is not a finite score, or
+runs past the time limit yields score 0 with `error` (the exception text; the formatted traceback
+under "traceback") or `timeout` set, and the batch goes on. What a failure then means (stop the run,
+or count it) is RewardManager's decision (reward.on_error).
+
+How a user function is called is a `ScorerSpec`: positionally `fn(data_source, solution_str,
+ground_truth, extra_info)` (reward.custom_fn), with veRL's keywords and reward_kwargs
+(custom_reward_function), once per batch with lists (veRL's batch reward manager), or as veRL's prime
+manager calls it (positionally plus reward_kwargs; a tuple's first element is the score, None is 0).
+An `async def` function is run to completion in the scoring process.
 
 The time limit uses SIGALRM in the main thread of the scoring process (the trainer's main
 thread, or a pool worker's). Its exception derives from BaseException so a scorer's own
@@ -17,6 +24,8 @@ multiprocessing pool they never re-import the trainer's main script.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import os
 import pickle
@@ -30,10 +39,52 @@ import time
 import traceback
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
 
-from tinyzero.rewards.registry import get_scorer, load_custom_fn, normalize_result
+from tinyzero.rewards.registry import DETAIL_SCORERS, get_scorer, load_custom_fn, normalize_result
 
-__all__ = ["score_tasks", "ScoringPool", "ScoreTimeout"]
+__all__ = ["score_tasks", "ScoringPool", "ScoreTimeout", "ScorerSpec"]
+
+
+@dataclass
+class ScorerSpec:
+    """What scores a task and how it is called (sent once to every scoring worker)."""
+
+    custom_fn: str | None = None
+    """`path/to/file.py:name` of a user function; None: the built-in scorer of each data_source."""
+    call: Literal["positional", "keyword", "batch", "prime"] = "positional"
+    """How the user function is called (see the module docstring)."""
+    reward_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of every user-function call."""
+    options: dict = field(default_factory=dict)
+    """Keyword options of the built-in scorers (RewardConfig.scorer_options)."""
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _resolve(raw):
+    """The value of an `async def` function's result (run to completion here)."""
+    return asyncio.run(_awaited(raw)) if inspect.isawaitable(raw) else raw
+
+
+def _call(spec: ScorerSpec, task) -> object:
+    data_source, solution_str, ground_truth, extra_info = task
+    if not spec.custom_fn:
+        return get_scorer(data_source)(solution_str, ground_truth, extra_info, **spec.options)
+    fn = load_custom_fn(spec.custom_fn)
+    if spec.call == "keyword":
+        kwargs = {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
+                  "extra_info": extra_info, **spec.reward_kwargs}
+        return _resolve(fn(**kwargs))
+    if spec.call == "prime":
+        raw = _resolve(fn(data_source, solution_str, ground_truth, extra_info, **spec.reward_kwargs))
+        if raw is None:
+            return 0.0
+        return raw[0] if isinstance(raw, (tuple, list)) and raw else raw
+    return _resolve(fn(data_source, solution_str, ground_truth, extra_info))
 
 
 class ScoreTimeout(BaseException):
@@ -65,23 +116,21 @@ def _alarm_installed(enabled: bool):
 
 
 def _failed(error: str | None = None, timeout: bool = False) -> dict:
-    return {"score": 0.0, "acc": False, "formatted": False, "error": error, "timeout": timeout}
+    return {"score": 0.0, "acc": False, "formatted": False, "extra": {}, "error": error, "timeout": timeout}
 
 
-def _score_one(task, custom_fn: str | None, options: dict, timeout_s: float, alarm: bool) -> dict:
-    data_source, solution_str, ground_truth, extra_info = task
+def _score_one(task, spec: ScorerSpec, timeout_s: float, alarm: bool) -> dict:
     try:
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
-            if custom_fn:
-                raw = load_custom_fn(custom_fn)(data_source, solution_str, ground_truth, extra_info)
-            else:
-                raw = get_scorer(data_source)(solution_str, ground_truth, extra_info, **options)
+            raw = _call(spec, task)
         finally:
             if alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         out = normalize_result(raw)
+        if not spec.custom_fn and get_scorer(task[0]) in DETAIL_SCORERS:
+            out["extra"] = {}  # tinyzero's detail record: the public result is the bare score
     except ScoreTimeout:
         return _failed(timeout=True)
     except Exception as e:  # noqa: BLE001 - reported to RewardManager, which applies reward.on_error
@@ -91,12 +140,49 @@ def _score_one(task, custom_fn: str | None, options: dict, timeout_s: float, ala
     return out
 
 
+def _score_batch(tasks: list, spec: ScorerSpec, timeout_s: float, alarm: bool) -> list[dict]:
+    """veRL's batch reward manager: one call with lists, under len(tasks) x the per-sample limit."""
+    if not tasks:
+        return []
+    try:
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s * len(tasks))
+        try:
+            columns = list(zip(*tasks))
+            raw = load_custom_fn(spec.custom_fn)(
+                **{"data_sources": list(columns[0]), "solution_strs": list(columns[1]),
+                   "ground_truths": list(columns[2]), "extra_infos": list(columns[3]), **spec.reward_kwargs})
+            raw = _resolve(raw)
+        finally:
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        if not isinstance(raw, (list, tuple)) or len(raw) != len(tasks):
+            got = f"{type(raw).__name__} of length {len(raw)}" if hasattr(raw, "__len__") else type(raw).__name__
+            raise TypeError(f"the batch reward function must return a list with one score per sample "
+                            f"({len(tasks)}), got {got}")
+    except ScoreTimeout:
+        return [_failed(timeout=True) for _ in tasks]
+    except Exception as e:  # noqa: BLE001 - reported to RewardManager, which applies reward.on_error
+        error = {**_failed(error=f"{type(e).__name__}: {e}"[:500]), "traceback": traceback.format_exc()[-4000:]}
+        return [dict(error) for _ in tasks]
+    out = []
+    for value in raw:
+        try:
+            out.append({**normalize_result(value), "error": None, "timeout": False})
+        except (TypeError, ValueError) as e:
+            out.append(_failed(error=f"{type(e).__name__}: {e}"[:500]))
+    return out
+
+
 def score_tasks(tasks, custom_fn: str | None = None, options: dict | None = None,
-                timeout_s: float = 0.0) -> list[dict]:
-    """Score tasks in this process, each under the time limit (0: none)."""
-    options = options or {}
+                timeout_s: float = 0.0, spec: ScorerSpec | None = None) -> list[dict]:
+    """Score tasks in this process, each under the time limit (0: none). `spec` (or custom_fn +
+    options, a positional call) says what scores them."""
+    spec = spec or ScorerSpec(custom_fn=custom_fn, options=dict(options or {}))
     with _alarm_installed(timeout_s > 0) as alarm:
-        return [_score_one(t, custom_fn, options, timeout_s, alarm) for t in tasks]
+        if spec.call == "batch":
+            return _score_batch(list(tasks), spec, timeout_s, alarm)
+        return [_score_one(t, spec, timeout_s, alarm) for t in tasks]
 
 
 _HEADER = struct.Struct("<Q")
@@ -214,11 +300,12 @@ class ScoringPool(WorkerSlots):
 
     def __init__(self, num_workers: int, custom_fn: str | None = None, options: dict | None = None,
                  timeout_s: float = 0.0, slack_s: float = 60.0, batch_timeout_s: float = 0.0,
-                 kill_grace_s: float = 2.0):
+                 kill_grace_s: float = 2.0, spec: ScorerSpec | None = None):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
         self.num_workers = num_workers
-        self.settings = (custom_fn, dict(options or {}), timeout_s)
+        self.spec = spec or ScorerSpec(custom_fn=custom_fn, options=dict(options or {}))
+        self.settings = (self.spec, timeout_s)
         self.timeout_s = timeout_s
         self.slack_s = slack_s
         self.batch_timeout_s = batch_timeout_s
