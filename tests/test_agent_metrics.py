@@ -68,6 +68,17 @@ def _worker(model_dir: str):
     }
     for reason in ("eos", "max_turns", "budget", "tool_error"):
         ref[f"agent/stop_reason/{reason}"] = sum(1 for r in nt["stop_reason"] if r == reason) / rows
+    # veRL's num_turns: the prompt + assistant turns + observations (runs of attended, unmasked tokens).
+    segments = []
+    for i in range(rows):
+        kinds = [m for a, m in zip(gen.batch["attention_mask"][i, -R:].tolist(), gen.batch["response_mask"][i].tolist())
+                 if a == 1]
+        segments.append(sum(1 for j, m in enumerate(kinds) if m == 0 and (j == 0 or kinds[j - 1] == 1)))
+    messages = [1 + int(t) + o for t, o in zip(nt["num_turns"], segments)]
+    calls = [int(c) for c in nt["num_tool_calls"]]
+    ref.update({"num_turns/min": float(min(messages)), "num_turns/max": float(max(messages)),
+                "num_turns/mean": sum(messages) / rows, "tool_call_counts/min": float(min(calls)),
+                "tool_call_counts/max": float(max(calls)), "tool_call_counts/mean": sum(calls) / rows})
     first_half = agent_metrics({k: v[: rows // 2] for k, v in nt.items()})
     return rows, list(nt["num_turns"]), {k: metrics[k] for k in ref}, ref, first_half
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tinyzero.trainer.loggers import read_metrics
+from tinyzero.trainer.val_metrics import core_mean
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
@@ -56,7 +57,7 @@ def _rl_args(root, run: str, *extra: str) -> list[str]:
 
 
 def _val(rows: list[dict]) -> list[float]:
-    return [r["val/test_score/arithmetic"] for r in rows if "val/test_score/arithmetic" in r]
+    return [core_mean(r, "arithmetic") for r in rows if core_mean(r, "arithmetic") is not None]
 
 
 def test_grpo_learns(demo_setup):

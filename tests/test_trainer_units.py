@@ -59,14 +59,21 @@ def test_data_metrics_match_a_loop():
         "attention_mask": torch.cat([prompt_mask, response_mask.long()], -1), "token_level_scores": scores,
         "token_level_rewards": scores - 0.1, "advantages": adv, "returns": adv * 2})
     m = compute_data_metrics(batch, use_critic=False)
-    seq_scores = [float(scores[i].sum()) for i in range(rows)]
-    assert m["critic/score/mean"] == pytest.approx(sum(seq_scores) / rows)
-    assert m["critic/rewards/mean"] == pytest.approx(sum(s - 0.1 * r for s in seq_scores) / rows, abs=1e-6)  # float32
+    # veRL: score and reward statistics over the responses that are not aborted (empty): row 2 is left out.
+    kept = [i for i in range(rows) if resp_len[i] > 0]
+    seq_scores = [float(scores[i].sum()) for i in kept]
+    assert m["critic/score/mean"] == pytest.approx(sum(seq_scores) / len(kept))
+    assert m["critic/score/min"] == min(seq_scores) and m["critic/score/max"] == max(seq_scores)
+    assert m["critic/rewards/mean"] == pytest.approx(sum(s - 0.1 * r for s in seq_scores) / len(kept), abs=1e-6)
     valid = [float(adv[i, t]) for i in range(rows) for t in range(r) if response_mask[i, t]]
     assert m["critic/advantages/mean"] == pytest.approx(sum(valid) / len(valid), rel=1e-5)
     assert m["critic/advantages/max"] == pytest.approx(max(valid))
     assert m["response_length/mean"] == pytest.approx(sum(resp_len) / rows)
     assert m["response_length/clip_ratio"] == pytest.approx(sum(n >= r for n in resp_len) / rows)
+    assert m["response/aborted_ratio"] == pytest.approx(1 / rows)
+    assert m["response_length_non_aborted/mean"] == pytest.approx(sum(resp_len) / len(kept))
+    assert m["response_length_non_aborted/min"] == 1 and m["response_length_non_aborted/max"] == r
+    assert m["response_length_non_aborted/clip_ratio"] == pytest.approx(2 / len(kept))
     assert m["prompt_length/mean"] == pytest.approx(float(prompt_mask.sum()) / rows)
 
 

@@ -189,3 +189,97 @@ def test_global_random_state_untouched():
     np.random.seed(5)
     process_validation_metrics(["d"] * 4, ["u"] * 4, {"reward": [0.0, 1.0, 1.0, 0.0], "pred": list("abab")})
     assert np.random.rand() == expected
+
+
+# ---------------------------------------------------------------------------------------------- through the trainer
+REWARD = '''
+"""Test reward: exact "a+b=" scoring; a dict result with the answer as `pred`."""
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    right = solution_str.strip() == str(ground_truth)
+    return {"score": 1.0 if right else 0.0, "acc": right, "pred": solution_str.strip()}
+'''
+
+
+def _flatten(nested: dict) -> dict:
+    """veRL's val-core / val-aux split, written out."""
+    out = {}
+    for ds, by_var in nested.items():
+        core_var = "acc" if "acc" in by_var else "reward"
+        for name, metrics in by_var.items():
+            n_max = max(int(k.split("@")[-1].split("/")[0]) for k in metrics)
+            for k, v in metrics.items():
+                core = name == core_var and k.split("@")[0] in ("mean", "maj", "best") and f"@{n_max}" in k
+                out[f"{'val-core' if core else 'val-aux'}/{ds}/{name}/{k}"] = v
+    return out
+
+
+def _read_jsonl(path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_trainer_dumps_and_logs_verl_validation_metrics(tmp_path, tiny_model_dir):
+    """2 GRPO steps on 2 CPU ranks with 4 sampled validation responses per prompt: the rollout and validation dumps
+    hold every response with the score the reward rule gives it, and the logged val-core / val-aux metrics are
+    the plain-loop reference's over the dumped responses."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from tinyzero.demo import build_data
+    from tinyzero.trainer.loggers import read_metrics
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    build_data(str(tmp_path / "data"))
+    (tmp_path / "reward.py").write_text(REWARD)
+    run, rollout_dir, val_dir = tmp_path / "run", tmp_path / "rollouts", tmp_path / "val"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "train.py"), "--preset", "demo_cpu", f"--data.train_files={tmp_path}/data/train.parquet",
+           f"--data.val_files={tmp_path}/data/test.parquet", f"--actor_rollout_ref.model.path={tiny_model_dir}",
+           f"--trainer.default_local_dir={run}", f"--reward.custom_fn={tmp_path}/reward.py:score",
+           "--data.train_batch_size=8", "--actor_rollout_ref.rollout.n=2", "--trainer.total_training_steps=2",
+           "--actor_rollout_ref.rollout.val_kwargs.n=4", "--actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+           "--actor_rollout_ref.rollout.val_kwargs.temperature=1.0", f"--trainer.rollout_data_dir={rollout_dir}",
+           f"--trainer.validation_data_dir={val_dir}", "--trainer.plot=false", "--trainer.progress_bar=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    rows = {r["step"]: r for r in read_metrics(str(run))}
+    num_val = pq.read_table(f"{tmp_path}/data/test.parquet").num_rows
+
+    assert sorted(p.name for p in rollout_dir.iterdir()) == ["1.jsonl", "2.jsonl"]
+    for step in (1, 2):
+        lines = _read_jsonl(rollout_dir / f"{step}.jsonl")
+        assert len(lines) == 16
+        for line in lines:
+            assert set(line) == {"input", "output", "gts", "score", "step", "acc", "pred"}, line
+            assert line["step"] == step and line["input"].endswith("=")
+            right = line["output"].strip() == str(line["gts"])
+            assert line["score"] == (1.0 if right else 0.0) and line["acc"] is right, line
+            assert line["pred"] == line["output"].strip()
+        for key in ("response/aborted_ratio", "response_length_non_aborted/mean", "response_length/mean"):
+            assert key in rows[step], (key, sorted(rows[step]))
+
+    assert sorted(p.name for p in val_dir.iterdir()) == ["0.jsonl", "2.jsonl"]
+    fields = {"input", "output", "gts", "step"}  # the rest are the variables: reward and the scorer's keys
+    for step in (0, 2):
+        lines = _read_jsonl(val_dir / f"{step}.jsonl")
+        assert len(lines) == 4 * num_val
+        for i, line in enumerate(lines):
+            assert set(line) == fields | {"score", "reward", "acc", "pred"}, line
+            assert line["step"] == step and line["input"] == lines[i - i % 4]["input"]  # a prompt's 4 responses
+            assert line["score"] == line["reward"] == (1.0 if line["output"].strip() == str(line["gts"]) else 0.0)
+        infos = {k: [line[k] for line in lines] for k in lines[0] if k not in fields}
+        want = _flatten(reference(["arithmetic"] * len(lines), [i // 4 for i in range(len(lines))], infos))
+        got = {k: v for k, v in rows[step].items() if k.startswith(("val-core/", "val-aux/"))}
+        assert set(got) == set(want)
+        assert {"val-core/arithmetic/acc/best@4/mean", "val-core/arithmetic/acc/maj@4/mean",
+                "val-aux/arithmetic/reward/mean@4", "val-aux/arithmetic/score/worst@2/std"} <= set(got)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-12), k

@@ -74,12 +74,13 @@ def summary(run_dir: str) -> tuple[dict, dict]:
     """(first validation row, last validation row) of a run's metrics.jsonl."""
     from tinyzero.trainer.loggers import read_metrics
 
-    rows = [r for r in read_metrics(run_dir) if any(k.startswith("val/test_score/") for k in r)]
+    rows = [r for r in read_metrics(run_dir) if any(k.startswith("val-core/") for k in r)]
     return rows[0], rows[-1]
 
 
 def print_table(before: dict, after: dict) -> None:
-    keys = sorted(k for k in after if k.startswith(("val/test_", "val/agent/tool_calls/mean", "val/agent/turns/mean")))
+    keys = sorted(k for k in after if (k.startswith("val-core/") and "/std" not in k)
+                  or k in ("val-aux/agent/tool_calls/mean", "val-aux/agent/turns/mean"))
     width = max(len(k) for k in keys)
     print(f"\n{'metric':<{width}}  before (step {before['step']})  after (step {after['step']})")
     for k in keys:

@@ -21,8 +21,8 @@ number, 0 none).
      wrong.
   2. GRPO (`train.py --preset demo_cpu_tools`) with the calculator in the agent loop: a sample that
      calls it is right, one that guesses is not, and the reward alone teaches the policy to call it.
-     Validation runs through the agent loop too and logs val/agent/* (tool calls per sample, turns,
-     stop reasons) beside val/test_acc/*.
+     Validation runs through the agent loop too and logs val-aux/agent/* (tool calls per sample, turns,
+     stop reasons) beside val-core/*.
   3. The trained policy validated once more with the calculator disabled (multi_turn.enable=false:
      one assistant turn, no tool runs): its accuracy stays near 0, the skill is the tool's use.
 
@@ -46,6 +46,7 @@ import os
 import random
 
 from tinyzero.demo import summary, torchrun
+from tinyzero.trainer.val_metrics import core_mean
 
 DATA_SOURCE = "arithmetic"
 A_RANGE = (10, 99)
@@ -119,9 +120,8 @@ def validate_without_tools(nproc: int, out: str, common: list[str], env: dict) -
     torchrun(nproc, ["--preset", "demo_cpu_tools", *common, f"--actor_rollout_ref.model.path={out}/grpo/hf_model",
                      f"--trainer.default_local_dir={out}/no_tools", "--trainer.val_only=true",
                      "--actor_rollout_ref.rollout.multi_turn.enable=false"], env)
-    acc = f"val/test_acc/{DATA_SOURCE}"
-    without = summary(os.path.join(out, "no_tools"))[-1][acc]
-    with_tools = summary(os.path.join(out, "grpo"))[-1][acc]
+    without = core_mean(summary(os.path.join(out, "no_tools"))[-1], DATA_SOURCE)
+    with_tools = core_mean(summary(os.path.join(out, "grpo"))[-1], DATA_SOURCE)
     print(f"\nvalidation accuracy of the trained policy: {with_tools:.3f} with the calculator, "
           f"{without:.3f} without it")
     return without

@@ -17,7 +17,7 @@ from tinyzero.trainer.loggers import read_metrics
 # (panel title, metric names or prefixes ending in "/")
 PANELS = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
-    ("validation score / accuracy", ("val/test_score/", "val/test_acc/")),
+    ("validation (val-core)", ("val-core/",)),
     ("response length", ("response_length/mean", "response_length/max")),
     ("KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty", "critic/kl")),
     ("entropy", ("actor/entropy",)),

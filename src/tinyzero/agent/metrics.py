@@ -3,6 +3,10 @@
 The agent loop (loop.py) records per-sample counters as non-tensor fields of its output (AGENT_FIELDS).
 Those rows travel with the batch, so the driver computes the metrics on the batch gathered from every
 data-parallel rank (trainer.loop.pop_metrics) and they describe the whole step, not one rank's share.
+
+veRL's names come with them: num_turns/{min,max,mean} counts a conversation's messages as veRL's agent loop
+does (the prompt, each assistant turn and each observation: a sample of t assistant turns got t - 1
+observations, so 2 t), and tool_call_counts/{min,max,mean} the tool calls answered per sample.
 """
 
 from __future__ import annotations
@@ -33,4 +37,8 @@ def agent_metrics(non_tensor_batch: dict) -> dict[str, float]:
     }
     for reason in STOP_REASONS:
         metrics[f"agent/stop_reason/{reason}"] = sum(r == reason for r in reasons) / rows
+    for name, values in (("num_turns", 2 * turns), ("tool_call_counts", count["num_tool_calls"])):
+        if values.size:
+            metrics.update({f"{name}/min": float(values.min()), f"{name}/max": float(values.max()),
+                            f"{name}/mean": float(values.mean())})
     return metrics

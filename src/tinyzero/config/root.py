@@ -126,6 +126,12 @@ class TrainerConfig:
     validation_data_dir: str | None = None
     """Write every validation response to DIR/<step>.jsonl at each validation (as rollout_data_dir, plus the
     "reward" column); None: no dump."""
+    rollout_data_dir: str | None = None
+    """Write every training response of each step to DIR/<step>.jsonl (input, output, gts, score, step and the
+    reward function's extra keys, as veRL dumps them); None: no dump."""
+    validation_data_dir: str | None = None
+    """Write every validation response to DIR/<step>.jsonl at each validation (as rollout_data_dir, plus the
+    "reward" column); None: no dump."""
     progress_bar: bool = True
     """Show a progress bar with ETA on rank 0 (console logger)."""
     plot: bool = True

@@ -182,6 +182,7 @@ class AsyncPPOTrainer(PPOTrainer):
             batch = self.score(batch, timing, metrics)
             batch = self.compute_advantages(batch, timing, metrics)
             self.update_models(batch, timing, metrics)  # update_actor tops the queue up
+            self.dump_rollout(batch, timing)
             if self.global_step > self.config.trainer.critic_warmup:
                 self.policy_version += 1
             self.sync_weights(timing)

@@ -22,7 +22,7 @@ import time
 # The few numbers worth a glance in the per-step console line: (metric, short label).
 CONSOLE_KEYS = (
     ("critic/score/mean", "score"),
-    ("val/test_score/mean", "val"),
+    ("val-core/mean@", "val"),  # the first data_source's core mean@N (see ConsoleLogger.log)
     ("actor/pg_loss", "pg"),
     ("actor/ppo_kl", "kl"),
     ("actor/kl_loss", "kl_loss"),
@@ -72,9 +72,9 @@ class ConsoleLogger:
 
     def log(self, data: dict, step: int) -> None:
         parts = [self.bar(step)] if self.progress_bar else [f"step {step}/{self.total}"]
-        val_keys = [k for k in data if k.startswith("val/test_score/")]
+        val_keys = [k for k in data if k.startswith("val-core/") and "/mean@" in k]
         for key, label in CONSOLE_KEYS:
-            if key == "val/test_score/mean" and key not in data and val_keys:
+            if key == "val-core/mean@" and val_keys:
                 key = val_keys[0]
             if key in data:
                 parts.append(f"{label} {data[key]:.4g}")

@@ -46,24 +46,27 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _lengths(batch: DataProto) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    responses = batch.batch["responses"]
-    max_resp = responses.shape[-1]
+    """(prompt lengths, response lengths, prompt width, response width) from the attention mask, as veRL counts
+    them: a multi-turn response's observation tokens count in its length."""
+    max_resp = batch.batch["responses"].shape[-1]
     attn = batch.batch["attention_mask"]
-    prompt_mask = attn[:, :-max_resp]
-    response_mask = batch.batch["response_mask"] if "response_mask" in batch.batch else attn[:, -max_resp:]
-    return prompt_mask.sum(-1).float(), response_mask.sum(-1).float(), prompt_mask.shape[-1], max_resp
+    return attn[:, :-max_resp].sum(-1).float(), attn[:, -max_resp:].sum(-1).float(), attn.shape[-1] - max_resp, max_resp
 
 
 def compute_data_metrics(batch: DataProto, use_critic: bool, tis_cap: float | None = None) -> dict[str, float]:
-    """critic/score|rewards|advantages|returns|values, response_length/*, prompt_length/* (veRL), and
-    training/rollout_* (see algorithms.rollout_mismatch_metrics; tis_cap: the actor's tis_imp_ratio_cap)."""
+    """veRL's compute_data_metrics: critic/score|rewards (over the responses that are not aborted, i.e. not empty),
+    critic/advantages|returns|values, response_length/*, response_length_non_aborted/*, response/aborted_ratio,
+    prompt_length/*; and the rollout / trainer mismatch (algorithms.rollout_mismatch_metrics: training/rollout_*,
+    rollout_corr/*; tis_cap: the actor's tis_imp_ratio_cap). A multi-turn rollout's num_turns/* come with the
+    agent/* metrics (tinyzero.agent.metrics)."""
     b = batch.batch
     prompt_len, response_len, max_prompt, max_resp = _lengths(batch)
     mask = (b["response_mask"] if "response_mask" in b else b["attention_mask"][:, -max_resp:]).bool()
+    kept = response_len > 0  # (rows,): veRL calls an empty response aborted
     out: dict[str, torch.Tensor] = {}
-    out.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
+    out.update(_stats("critic/score", b["token_level_scores"].sum(-1)[kept]))
     rewards = b["token_level_rewards"] if "token_level_rewards" in b else b["token_level_scores"]
-    out.update(_stats("critic/rewards", rewards.sum(-1)))
+    out.update(_stats("critic/rewards", rewards.sum(-1)[kept]))
     if "advantages" in b:
         out.update(_stats("critic/advantages", torch.masked_select(b["advantages"], mask)))
         out.update(_stats("critic/returns", torch.masked_select(b["returns"], mask)))
@@ -75,6 +78,10 @@ def compute_data_metrics(batch: DataProto, use_critic: bool, tis_cap: float | No
         out["critic/vf_explained_var"] = 1.0 - torch.var(returns - values) / (var_returns + 1e-5)
     out.update(_stats("response_length", response_len))
     out["response_length/clip_ratio"] = (response_len >= max_resp).float().mean()
+    out.update(_stats("response_length_non_aborted", response_len[kept]))
+    out["response_length_non_aborted/clip_ratio"] = (response_len[kept] >= max_resp).float().mean() if kept.any() \
+        else torch.zeros(())
+    out["response/aborted_ratio"] = (~kept).float().mean()
     out.update(_stats("prompt_length", prompt_len))
     out["prompt_length/clip_ratio"] = (prompt_len >= max_prompt).float().mean()
     if "rollout_log_probs" in b and "old_log_probs" in b:

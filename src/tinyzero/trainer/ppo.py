@@ -21,6 +21,7 @@ from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
 from tinyzero.protocol import DataProto
 from tinyzero.trainer.balance import balance_batch
 from tinyzero.trainer.checkpoint import load_rng_state, save_rng_state
+from tinyzero.trainer.dumps import dump_batch, extra_info_rows
 from tinyzero.trainer.loop import (
     Driver,
     NonFiniteError,  # noqa: F401 - its former home, still imported from here
@@ -68,6 +69,7 @@ class PPOTrainer(Driver):
             batch = self.score(batch, timing, metrics)
             batch = self.compute_advantages(batch, timing, metrics)
             self.update_models(batch, timing, metrics)
+            self.dump_rollout(batch, timing)
         metrics.update(self.step_metrics(batch, timing))
         return metrics
 
@@ -207,6 +209,9 @@ class PPOTrainer(Driver):
             batch.batch["token_level_scores"] = scores
             for key in ("score", "acc"):
                 batch.non_tensor_batch[key] = np.array([float(s[key]) for s in out.samples], dtype=np.float64)
+            if self.config.trainer.rollout_data_dir:  # the step's dump reads them, following the rows
+                batch.non_tensor_batch["reward_extra_info"] = extra_info_rows(getattr(out, "reward_extra_info", {}),
+                                                                              len(batch))
             metrics.update(out.metrics)
             self._log_samples(out.samples, "train")
         return batch
@@ -278,6 +283,13 @@ class PPOTrainer(Driver):
             return self.roles.actor_rollout.update_actor(batch)
 
     # ------------------------------------------------------------------ validation, metrics, samples
+    def dump_rollout(self, batch: DataProto, timing: dict) -> None:
+        """trainer.rollout_data_dir: the step's responses to DIR/<step>.jsonl as veRL dumps them (rank 0; timed
+        as timing_s/dump_rollout_generations)."""
+        if self.config.trainer.rollout_data_dir:
+            with timer("dump_rollout_generations", timing):
+                dump_batch(self.tokenizer, batch, self.config.trainer.rollout_data_dir, self.global_step)
+
     def validate(self) -> dict[str, float]:
         metrics, samples = validate(self, self.val_dataset, self.val_reward_fn)
         self._log_samples(samples, "val", self.config.trainer.log_val_generations)

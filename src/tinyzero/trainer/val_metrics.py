@@ -158,3 +158,12 @@ def validation_metrics(data_sources, uids, infos: dict[str, list], seed: int = 4
                 core = (name == core_var and metric.startswith(("mean", "maj", "best")) and f"@{n_max}" in metric)
                 out[f"{'val-core' if core else 'val-aux'}/{ds}/{name}/{metric}"] = value
     return out
+
+
+def core_mean(metrics: dict, data_source: str) -> float | None:
+    """The data_source's val-core mean@N (its accuracy when the scorer reports acc, else its mean score) in a
+    metrics row; None when the row has no validation of it."""
+    prefix = f"val-core/{data_source}/"
+    found = [v for k, v in metrics.items() if k.startswith(prefix) and k[len(prefix):].count("/") == 1
+             and k.rsplit("/", 1)[1].startswith("mean@")]
+    return found[0] if found else None
