@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tinyzero.configs.code_exec import code_exec_cpu, code_exec_cpu_sft
 from tinyzero.configs.countdown import countdown_qwen2_5_3b_grpo, countdown_qwen2_5_3b_ppo
 from tinyzero.configs.demo import demo_cpu, demo_cpu_sft
 from tinyzero.configs.demo_tools import demo_cpu_tools, demo_cpu_tools_sft
@@ -20,7 +21,8 @@ from tinyzero.configs.sft_rm import dpo, rm, sft
 
 PRESETS: dict[str, Callable] = {
     fn.__name__: fn
-    for fn in (demo_cpu, demo_cpu_sft, demo_cpu_tools, demo_cpu_tools_sft, countdown_qwen2_5_3b_ppo, countdown_qwen2_5_3b_grpo, gsm8k_grpo, sft, rm, dpo, real_cpu)
+    for fn in (demo_cpu, demo_cpu_sft, demo_cpu_tools, demo_cpu_tools_sft, countdown_qwen2_5_3b_ppo, countdown_qwen2_5_3b_grpo, gsm8k_grpo, sft, rm, dpo, real_cpu,
+               code_exec_cpu, code_exec_cpu_sft)
 }
 
 __all__ = ["PRESETS"]

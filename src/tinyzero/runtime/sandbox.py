@@ -139,7 +139,7 @@ def probe_isolation() -> tuple[bool, str]:
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process whose real uid is `uid` (process isolation as root: catches escapees of the
     process group); repeated while any remain, since a fork bomb forks while we scan."""
-    for _ in range(50):
+    for _ in range(200):
         found = False
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
@@ -155,6 +155,21 @@ def _kill_uid(uid: int) -> None:
         if not found:
             return
         time.sleep(0.01)
+
+
+def _others_can_read(path: str) -> bool:
+    """Whether a user other than the owner can reach `path` (every folder on the way has o+x)."""
+    path = os.path.realpath(path)
+    while True:
+        try:
+            if not os.stat(path).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
 
 
 class Sandbox:
@@ -180,6 +195,10 @@ class Sandbox:
                            "(set sandbox.isolation=process to silence this)")
             self.namespaces = ok
         root = os.geteuid() == 0
+        if root and not self.namespaces and not _others_can_read(sys.base_prefix):
+            _warn_once(f"[sandbox] warning: the interpreter under {sys.base_prefix} is not readable by other users, "
+                       "so programs run as root (process isolation); use namespaces or a world-readable Python")
+            root = False
         # A uid of its own per concurrent run, distinct across the trainer processes on this host.
         self._uids = ([uid_base + (os.getpid() % 1_000_000) * 256 + i for i in range(max_concurrent)]
                       if root else [None] * max_concurrent)
@@ -279,8 +298,11 @@ class Sandbox:
             proc.wait()
             for stream in bufs:
                 stream.close()
-            if uid is not None and not self.namespaces:
-                _kill_uid(uid)  # anything that left the process group
+            if uid is not None and (killed is not None or not self.namespaces):
+                # Process isolation: anything that left the process group. Namespaces: after a kill the
+                # namespace's processes die asynchronously; the slot's uid is reused only once they are gone
+                # (a namespace whose program exited is empty before its launcher can be reaped).
+                _kill_uid(uid)
         wall = time.monotonic() - start
         out = bufs[proc.stdout].decode("utf-8", errors="replace")
         err = bufs[proc.stderr].decode("utf-8", errors="replace")

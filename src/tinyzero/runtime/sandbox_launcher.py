@@ -93,10 +93,13 @@ def run_program(source: str, workdir: str, uid, limits: tuple) -> int:
             return code & 0xFF
         print(code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - the program's own failure, printed like Python does
-        import traceback
+    except BaseException as e:  # noqa: BLE001 - the program's own failure, printed like Python does
+        try:
+            import traceback
 
-        traceback.print_exc()
+            traceback.print_exc()
+        except BaseException:  # noqa: BLE001 - e.g. no memory left to import traceback
+            sys.stderr.write(f"{type(e).__name__}: {e}\n")
         return 1
     return 0
 
