@@ -115,7 +115,7 @@ def test_ignored_keys_warn_once_with_the_reason(key, value, why):
     ("data.train_max_samples", 100, "trainer.total_training_steps"),
     ("algorithm.use_pf_ppo", True, "filter_groups"),
     ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "tools.yaml", "multi_turn.tools"),
-    ("reward_model.reward_manager", "prime", "reward_manager=naive"),
+    ("reward_model.reward_manager", "limited", "reward_manager=naive"),
     ("actor_rollout_ref.actor.checkpoint.load_contents", ["model"], "resume_mode=disable"),
 ])
 def test_refused_keys_name_the_key_and_the_nearest_setting(key, value, nearest):

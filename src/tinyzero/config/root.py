@@ -17,7 +17,7 @@ from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.data.config import DataConfig
 from tinyzero.distributed.parallel_dims import LayoutError
-from tinyzero.rewards.config import RewardConfig
+from tinyzero.rewards.config import CustomRewardFunctionConfig, RewardConfig
 from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig, rollout_dims
 
 MODES = ("ppo", "sft", "rm", "dpo")
@@ -253,6 +253,8 @@ class Config:
     """A learned reward model (optional)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rule-based reward scoring."""
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """A user reward function (veRL's custom_reward_function: path, name, reward_kwargs)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator and KL control."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

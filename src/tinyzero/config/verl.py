@@ -128,12 +128,14 @@ def _nccl_timeout(value):
 
 
 def _reward_manager(value):
-    if value in (None, "naive", "dapo"):
-        # naive: score each sample by data_source; dapo: the same plus the overlong buffer (reward.overlong_buffer)
+    from tinyzero.rewards.config import REWARD_MANAGERS
+
+    if value is None:
         return []
-    raise _error(f"reward_model.reward_manager={value}: tinyzero's reward manager scores each sample by data_source "
-                 "(veRL's naive, and dapo with reward.overlong_buffer); nearest supported setting: "
-                 "reward_model.reward_manager=naive")
+    if value in REWARD_MANAGERS:  # tinyzero.rewards.manager implements each of veRL's registered managers
+        return [("reward_model.reward_manager", value)]
+    raise _error(f"reward_model.reward_manager={value}: tinyzero has veRL's reward managers {list(REWARD_MANAGERS)}; "
+                 "nearest supported setting: reward_model.reward_manager=naive with custom_reward_function.path")
 
 
 # --------------------------------------------------------------------------- the table
@@ -336,7 +338,7 @@ KEYS: dict[str, Rule] = {
                                                "reward_model.model.trust_remote_code=true", None),
     "reward_model.model.use_shm": _ignore(PERF),
     "reward_model.model.use_fused_kernels": _ignore(PERF),
-    "reward_model.reward_manager": _convert(_reward_manager, "naive and dapo"),
+    "reward_model.reward_manager": _convert(_reward_manager, "naive, batch, dapo and prime"),
     "reward_model.reward_loop_source": _ignore("one reward manager"),
     "reward_model.reward_loop_module_path": _refuse("one reward manager", "custom_reward_function.path", None),
     "reward_model.reward_loop_class_name": _refuse("one reward manager", "custom_reward_function.name", None),
@@ -351,7 +353,7 @@ KEYS: dict[str, Rule] = {
     "reward_model.num_workers": _rename("reward.num_workers"),
     "reward_model.rollout.*": _ignore("the reward model runs in tinyzero's FSDP workers, not a served engine"),
     "reward_manager.source": _refuse("one reward manager", "reward_manager.source=register", "register"),
-    "reward_manager.name": _convert(_reward_manager, "naive and dapo"),
+    "reward_manager.name": _convert(_reward_manager, "naive, batch, dapo and prime"),
     "reward_manager.module.*": _refuse("one reward manager", "custom_reward_function.path", None,
                                        "custom_reward_manager"),
     # ---- algorithm

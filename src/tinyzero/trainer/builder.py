@@ -115,9 +115,11 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     hf_config = prepare_config(cfg, world_size)
     run = prepare_run(cfg, RLHFDataset, {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim,
                                          "critic.optim": cfg.critic.optim})
-    reward_fn = RewardManager(run.tokenizer, cfg.reward)
+    reward_args = (cfg.reward, cfg.custom_reward_function, cfg.reward_model.reward_manager,
+                   cfg.reward_model.reward_kwargs)
+    reward_fn = RewardManager(run.tokenizer, *reward_args)
     reward_fn.check_data_sources(_data_sources(run.train_dataset, run.val_dataset))
-    val_reward_fn = RewardManager(run.tokenizer, cfg.reward)
+    val_reward_fn = RewardManager(run.tokenizer, *reward_args)
     run_dir = write_run_config(cfg)
     trainer_cls, extra = PPOTrainer, {}
     if cfg.trainer.max_staleness or cfg.trainer.rollout_pool_size:  # rollout on its own pool, ahead of training

@@ -10,12 +10,13 @@ the data-parallel size); every `*_per_gpu` size counts rows on one rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
 from tinyzero.algorithms import LOSS_AGG_MODES
 from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.models.config import FSDPConfig, ModelConfig
+from tinyzero.rewards.config import RewardManagerName
 from tinyzero.rollout.config import RolloutConfig
 
 WARMUP_STYLES = ("constant", "cosine")
@@ -400,8 +401,18 @@ class RewardModelConfig(HasLayout):
     """Token budget of one forward micro-batch when dynamic."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of the reward model."""
+    reward_manager: RewardManagerName = "naive"
+    """veRL's reward manager of the rule-based / custom reward (it applies with or without a reward model):
+    naive (one call per sample), batch (one call with lists; needs custom_reward_function.path), dapo
+    (trailing eos text removed, overlong_buffer_cfg), prime (positional calls, a tuple's first element is
+    the score). See tinyzero.rewards.manager."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reward manager (veRL: reward_model.reward_kwargs): the batch function's
+    extra arguments, or dapo's overlong_buffer_cfg (enable, len, penalty_factor, log) and max_resp_len."""
 
     def __post_init__(self):
+        if not isinstance(self.reward_kwargs, dict):
+            raise ValueError(f"reward_model.reward_kwargs must be a mapping, got {self.reward_kwargs!r:.100}")
         _check_positive_or_none("reward_model.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
         _check_global_micro(self.SECTION, "micro_batch_size", self.micro_batch_size, self.micro_batch_size_per_gpu)
         if self.max_length is not None and self.max_length <= 0:
