@@ -347,19 +347,45 @@ def test_rollout_mismatch_metrics():
     assert m["training/rollout_probs_diff_max"].item() == pytest.approx(diff.max().item())
     assert m["training/rollout_probs_diff_mean"].item() == pytest.approx(diff.mean().item())
     assert m["training/rollout_probs_diff_std"].item() == pytest.approx(diff.std().item())
-    assert m["training/rollout_kl"].item() == pytest.approx(masked_mean(b["rollout"] - b["old"], b["mask"]).item())
+    assert m["rollout_corr/kl"].item() == pytest.approx(masked_mean(b["rollout"] - b["old"], b["mask"]).item())
     ratio = (b["old"] - b["rollout"]).exp()
     assert m["training/rollout_tis_clip_frac"].item() == pytest.approx(
         ((ratio > 1.1).double() * b["mask"]).sum().item() / b["mask"].sum().item(), rel=1e-6)
     log_diff = (b["old"] - b["rollout"]).abs()[valid]
     assert m["training/rollout_log_probs_diff_mean"].item() == pytest.approx(log_diff.mean().item())
     k3 = (ratio - (b["old"] - b["rollout"]) - 1)[valid]
-    assert m["training/rollout_k3_kl"].item() == pytest.approx(k3.mean().item())
+    assert m["rollout_corr/k3_kl"].item() == pytest.approx(k3.mean().item())
+    # veRL's per-sequence off-policy metrics, as a Python loop over rows (masked means divide by count + 1e-8).
+    rows = b["mask"].shape[0]
+    tr, ro, lr_seq = [], [], []
+    for i in range(rows):
+        idx = [t for t in range(b["mask"].shape[1]) if b["mask"][i, t]]
+        count = len(idx) + 1e-8
+        tr.append(sum(float(b["old"][i, t]) for t in idx) / count)
+        ro.append(sum(float(b["rollout"][i, t]) for t in idx) / count)
+        lr_seq.append(sum(float(b["old"][i, t] - b["rollout"][i, t]) for t in idx))
+    diffs = [r - t for r, t in zip(ro, tr)]
+    want = {"training_ppl": sum(math.exp(-t) for t in tr) / rows, "training_log_ppl": -sum(tr) / rows,
+            "rollout_ppl": sum(math.exp(-r) for r in ro) / rows, "rollout_log_ppl": -sum(ro) / rows,
+            "log_ppl_diff": sum(diffs) / rows, "log_ppl_abs_diff": sum(abs(d) for d in diffs) / rows,
+            "log_ppl_diff_max": max(diffs), "log_ppl_diff_min": min(diffs),
+            "ppl_ratio": sum(math.exp(d) for d in diffs) / rows,
+            "chi2_token": float((ratio ** 2)[valid].sum()) / (int(valid.sum()) + 1e-8) - 1.0,
+            "chi2_seq": sum(math.exp(2 * min(max(x, -20.0), 20.0)) for x in lr_seq) / rows - 1.0}
+    for k, v in want.items():
+        assert m[f"rollout_corr/{k}"].item() == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    pt, pr = b["old"].exp()[valid].tolist(), b["rollout"].exp()[valid].tolist()
+    mt, mr = sum(pt) / len(pt), sum(pr) / len(pr)
+    cov = sum((x - mt) * (y - mr) for x, y in zip(pt, pr))
+    corr = cov / math.sqrt(sum((x - mt) ** 2 for x in pt) * sum((y - mr) ** 2 for y in pr))
+    assert m["training/rollout_actor_probs_pearson_corr"].item() == pytest.approx(corr, rel=1e-9)
     same = rollout_mismatch_metrics(b["old"], b["old"], b["mask"])
-    assert same["training/rollout_probs_diff_max"].item() == 0.0 and same["training/rollout_k3_kl"].item() == 0.0
+    assert same["training/rollout_probs_diff_max"].item() == 0.0 and same["rollout_corr/k3_kl"].item() == 0.0
+    count = int(valid.sum())  # r = 1 everywhere: 0 but for masked_mean's + 1e-8
+    assert same["rollout_corr/chi2_token"].item() == pytest.approx(count / (count + 1e-8) - 1.0, abs=1e-15)
     half = rollout_mismatch_metrics(b["old"].bfloat16(), b["rollout"].bfloat16(), b["mask"])
     bf = {k: b[k].bfloat16().double() for k in ("old", "rollout")}  # upcast before the maths, not after
-    assert half["training/rollout_kl"].item() == pytest.approx(
+    assert half["rollout_corr/kl"].item() == pytest.approx(
         masked_mean(bf["rollout"] - bf["old"], b["mask"]).item(), rel=1e-5)
     empty = rollout_mismatch_metrics(b["old"], b["rollout"], torch.zeros_like(b["mask"]))
     assert all(v.item() == 0.0 for v in empty.values())
@@ -379,7 +405,7 @@ def test_data_metrics_log_the_rollout_mismatch():
     out = compute_data_metrics(data, use_critic=False, tis_cap=1.1)
     ref = rollout_mismatch_metrics(b["old"], b["rollout"], b["mask"], tis_cap=1.1)
     assert {k: float(v) for k, v in ref.items()} == {k: out[k] for k in ref}
-    assert {"training/rollout_kl", "training/rollout_k3_kl", "training/rollout_tis_clip_frac"} <= set(out)
+    assert {"rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_seq", "training/rollout_tis_clip_frac"} <= set(out)
 
 
 def test_algorithm_config_validation():

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/ppo_kl",
             "critic/vf_loss", "critic/grad_norm", "critic/vpred_mean", "critic/values/mean",
             "critic/returns/mean", "critic/advantages/mean", "critic/score/mean", "response_length/mean",
-            "training/rollout_kl")
+            "rollout_corr/kl")
 
 
 def _run(root, name: str, model: str, *layout: str) -> list[dict]:

@@ -571,7 +571,7 @@ def test_trainer_skips_old_log_prob_pass_with_same_parameters(tiny_model_dir, tm
     assert skipped["actor/grad_norm"] == pytest.approx(with_pass["actor/grad_norm"], rel=1e-5)
     assert skipped["actor/entropy"] == pytest.approx(with_pass["actor/entropy"], rel=1e-5)
     # The sampler/trainer gap: measured by the update when skipping, by the data metrics otherwise.
-    for key in ("training/rollout_probs_diff_max", "training/rollout_log_probs_diff_mean", "training/rollout_kl"):
+    for key in ("training/rollout_probs_diff_max", "training/rollout_log_probs_diff_mean", "rollout_corr/kl"):
         assert skipped[key] == pytest.approx(with_pass[key], rel=1e-3, abs=1e-6), key
     a = load_file(str(tmp_path / "update" / "hf_model" / "model.safetensors"))
     b = load_file(str(tmp_path / "actor" / "hf_model" / "model.safetensors"))

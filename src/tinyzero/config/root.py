@@ -81,7 +81,8 @@ class TrainerConfig:
     """Asynchronous pipeline: sequence-level masked importance sampling (veRL's rollout rejection,
     seq_mean_k1). A response whose geometric-mean ratio exp(mean_t(log pi_old - log pi_rollout))
     leaves [1/threshold, threshold] is masked out of the update; the trainer's old log-probs are then
-    computed in their own pass. 0 = off; e.g. 2.0. Logged as training/rollout_rs_masked_frac."""
+    computed in their own pass. 0 = off; e.g. 2.0. Logged as rollout_corr/rollout_rs_seq_masked_fraction
+    (responses dropped) and rollout_corr/rollout_rs_masked_fraction (their share of the tokens)."""
     partial_rollout: bool = False
     """Asynchronous pipeline (max_staleness > 0): partial rollouts. A generation running while the
     trainer pool updates decodes in segments of partial_rollout_chunk tokens and takes the new weights

@@ -206,7 +206,9 @@ class AsyncPPOTrainer(PPOTrainer):
             mask = batch.batch["response_mask"]  # (rows, R)
             keep = seq_mis_keep(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], mask, threshold)
             batch.batch["response_mask"] = mask * keep.unsqueeze(-1).to(mask.dtype)
-            metrics["training/rollout_rs_masked_frac"] = float((~keep).float().mean())
+            dropped = (~keep).to(mask.dtype).unsqueeze(-1).expand_as(mask)  # (rows, R)
+            metrics["rollout_corr/rollout_rs_masked_fraction"] = float((dropped * mask).sum() / mask.sum().clamp(min=1))
+            metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = float((~keep).float().mean())
         return batch
 
     def update_actor(self, batch: DataProto, timing: dict):
