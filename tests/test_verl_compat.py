@@ -345,7 +345,7 @@ CPU_SCALE = ["data.train_batch_size=4", "data.val_batch_size=4", "data.max_respo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, data, extra", [
-    ("train_tiny_zero.txt", "countdown", ["data.max_prompt_length=256", "data.apply_chat_template=false",
+    ("train_tiny_zero.txt", "countdown", ["data.max_prompt_length=640", "data.apply_chat_template=false",
                                                     "critic.ppo_micro_batch_size=4"]),
     ("grpo_qwen2-7b.txt", "gsm8k", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                                     "actor_rollout_ref.rollout.n=2"]),
