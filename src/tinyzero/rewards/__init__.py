@@ -3,12 +3,23 @@
     from tinyzero.rewards import default_compute_score, RewardManager, RewardConfig
     default_compute_score("countdown", "<answer>(3 + 5) * 8</answer>", {"target": 64, "numbers": [3, 5, 8]})
 
-Scorer modules: `countdown`, `gsm8k`, `arithmetic` (TinyZero's multiply / arithmetic),
-`math_boxed` (MATH \\boxed answers). `RewardManager`, `RewardOutput` and `RewardError` are imported lazily so
+Scorer modules: `countdown`, `arithmetic` (TinyZero's multiply / arithmetic), `math_boxed` (a lenient
+\\boxed scorer); veRL's rules: `gsm8k`, `math_reward` (MATH), `math_dapo` (math / aime*), `prime_math`
+(numina_*), `geo3k`, `search_r1` (see registry for the data_source table). `RewardManager`, `RewardOutput` and `RewardError` are imported lazily so
 that scoring worker processes do not pay for importing torch.
 """
 
-from tinyzero.rewards import arithmetic, countdown, gsm8k, math_boxed
+from tinyzero.rewards import (
+    arithmetic,
+    countdown,
+    geo3k,
+    gsm8k,
+    math_boxed,
+    math_dapo,
+    math_reward,
+    prime_math,
+    search_r1,
+)
 from tinyzero.rewards.config import RewardConfig
 from tinyzero.rewards.registry import (
     SCORERS,
@@ -31,10 +42,15 @@ __all__ = [
     "check_data_sources",
     "countdown",
     "default_compute_score",
+    "geo3k",
     "get_scorer",
     "gsm8k",
     "load_custom_fn",
     "math_boxed",
+    "math_dapo",
+    "math_reward",
+    "prime_math",
+    "search_r1",
     "register_scorer",
     "safe_eval",
 ]
