@@ -33,7 +33,19 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+try:  # FSDP2's custom-collective hook types: a private module that only recent torch has (checked on 2.11-2.13)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    FSDP_HOOKS = True
+except ImportError:  # older torch: FSDP2 keeps its own collectives; the rest of this module still works
+    FSDP_HOOKS = False
+
+    class AllGather:  # noqa: D101 - stand-in base, never handed to FSDP2
+        pass
+
+    class ReduceScatter:  # noqa: D101
+        pass
 
 _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 _CACHE_LINE = 64
@@ -258,12 +270,28 @@ def comm_for(group) -> ShmComm | None:
     return _COMMS.get(group)
 
 
+_WARNED: list[bool] = []
+
+
+def _warn_no_hooks() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        import warnings
+
+        warnings.warn(f"fsdp_config.shm_collectives is ignored: torch {torch.__version__} has no FSDP2 custom-"
+                      "collective hooks (set_custom_all_gather); FSDP2 uses torch.distributed", stacklevel=3)
+
+
 def use_shm_collectives(modules, group, device: torch.device, timeout_s: float,
                         slot_bytes: int = 4 << 20) -> ShmComm | None:
     """Route the FSDP2 modules' all-gathers and reduce-scatters over `group` through one shared segment
     when the group is CPU ranks of one x86 host (a collective call); return the comm, or None (nothing
     changed). `slot_bytes`: the piece each rank writes per handshake (the segment holds 2 x ranks of them).
     The models of one group (actor, reference, critic) share its segment; `comm_for(group)` finds it."""
+    if not FSDP_HOOKS or not all(hasattr(m, "set_custom_all_gather") for m in modules):
+        if torch.device(device).type == "cpu":
+            _warn_no_hooks()
+        return None
     comm = _COMMS.get(group)
     if comm is None:
         if not intra_host_cpu_group(group, device):
