@@ -217,6 +217,41 @@ def test_without_the_run_config_the_base_model_folder_is_asked_for(saved, tiny_m
     _assert_same_tensors(_tensors(str(tmp_path / "a")), _tensors(out), "with --hf_model_path")
 
 
+def test_a_critic_merges_as_a_value_model(saved, tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForTokenClassification
+
+    from tinyzero.models.role_state import save_state
+    from tinyzero.models.value import load_value_model
+    from tinyzero.trainer.checkpoint import CheckpointManager
+
+    run, _, _ = saved
+    critic_run = tmp_path / "run"
+    critic_run.mkdir()
+    shutil.copy(os.path.join(run, "config.yaml"), critic_run / "config.yaml")
+    critic = load_value_model(tiny_model_dir, dtype="fp32")
+    with torch.no_grad():
+        critic.score.weight.normal_(generator=torch.Generator().manual_seed(1))
+    with CheckpointManager(str(critic_run / "checkpoints")).saving(1) as tmp:
+        save_state(os.path.join(tmp, "critic"), critic)
+    role = str(critic_run / "checkpoints" / "global_step_1" / "critic")
+    assert _merge("merge", "--local_dir", role, "--target_dir", str(tmp_path / "actor_flag"),
+                  "--is-value-model") == 0
+    loaded = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "actor_flag"), dtype=torch.float32)
+    for name, t in critic.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    assert _merge("merge", "--local_dir", f"{run}/checkpoints/global_step_1/actor", "--target_dir",
+                  str(tmp_path / "x"), "--is-value-model") == 2
+    assert "--is-value-model" in capsys.readouterr().err
+
+
+def test_a_target_inside_the_checkpoint_is_refused(saved, capsys):
+    run, _, _ = saved
+    step = f"{run}/checkpoints/global_step_1"
+    assert _merge("merge", "--local_dir", step, "--target_dir", f"{step}/hf") == 2
+    assert "inside the checkpoint" in capsys.readouterr().err
+    assert not os.path.exists(f"{step}/hf")
+
+
 # ---------------------------------------------------------------------------- train.py on 2 ranks
 
 

@@ -155,7 +155,9 @@ def model_source(ckpt: Checkpoint, config_path: str | None, hf_model_path: str |
                 cfg = load_yaml(config_path)
         except (ConfigError, ValueError) as e:
             raise MergerError(f"cannot read the run's config: {e}") from None
-        model_config = cfg.critic.model if ckpt.role == "critic" else cfg.actor_rollout_ref.model
+        model_config = cfg.actor_rollout_ref.model
+        if ckpt.role == "critic":  # an empty critic.model.path means the actor's folder, as in training
+            model_config = replace(cfg.critic.model, path=cfg.critic.model.path or model_config.path)
         if ckpt.role == "model" and cfg.trainer.mode == "rm":
             kind = "reward"
         if hf_model_path is not None:
