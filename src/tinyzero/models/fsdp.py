@@ -36,7 +36,7 @@ from tinyzero.distributed import collective_timeout_s
 from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.distributed.shm_comm import use_shm_collectives
 from tinyzero.models.config import FSDPConfig, ModelConfig
-from tinyzero.models.loading import check_model_path, load_model
+from tinyzero.models.loading import check_model_path, load_model, pick_attn_implementation
 from tinyzero.models.precision import PrecisionPolicy, check_trained_dtypes, compute_dtypes, resolve_precision
 
 _KINDS = ("causal_lm", "value", "reward")
@@ -149,9 +149,13 @@ def mesh_broadcast(tensor: torch.Tensor, mesh: DeviceMesh, *more: DeviceMesh | N
 
 
 def _build(kind: str, path: str, model_config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
-           adapter_dtype: torch.dtype = torch.float32):
+           adapter_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None):
     # The CPU copy only supplies weights: give it a kernel that exists on CPU whatever the config asks for.
-    attn = "sdpa" if torch.device(device).type == "cpu" else model_config.attn_implementation
+    if torch.device(device).type == "cpu":
+        attn = "sdpa"
+    else:  # "auto" decided for the compute dtype: flash-attn only under bf16 / fp16 compute
+        target = "cuda" if torch.cuda.is_available() else "cpu"
+        attn = pick_attn_implementation(target, model_config.attn_implementation, compute_dtype)
     kwargs = dict(dtype=dtype, device=device, attn_implementation=attn,
                   trust_remote_code=model_config.trust_remote_code, override_config=model_config.override_config)
     if kind == "causal_lm":
@@ -247,7 +251,7 @@ def load_sharded_model(
         raise error
     if failed.item():
         raise ValueError(f"the first rank of the model's mesh could not load {path!r}; see its error")
-    model = _build(kind, path, model_config, "meta", dtype, precision.adapter_dtype)
+    model = _build(kind, path, model_config, "meta", dtype, precision.adapter_dtype, precision.compute_dtype)
     if getattr(model_config, "use_fused_layers", False):
         if tp_mesh is not None and tp_mesh.size() > 1:
             raise ValueError("model.use_fused_layers works on plain tensors, not under tensor parallelism; "

@@ -99,11 +99,14 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def pick_attn_implementation(device: torch.device | str, requested: str | None = "auto") -> str:
-    """HF attn_implementation: flash_attention_2 on GPU when installed, else sdpa (CPU and GPU)."""
+def pick_attn_implementation(device: torch.device | str, requested: str | None = "auto",
+                             compute_dtype: torch.dtype | None = None) -> str:
+    """HF attn_implementation: flash_attention_2 on GPU when installed and the compute dtype is bf16 / fp16
+    (flash-attn has no fp32 kernel), else sdpa (CPU and GPU). `compute_dtype` None: not known, assumed 16-bit."""
     device = torch.device(device)
+    half = compute_dtype is None or compute_dtype in (torch.bfloat16, torch.float16)
     if requested in (None, "", "auto"):
-        if device.type == "cuda" and flash_attn_available():
+        if device.type == "cuda" and flash_attn_available() and half:
             return "flash_attention_2"
         return "sdpa"
     if requested == "flash_attention_2" and (device.type != "cuda" or not flash_attn_available()):
@@ -193,8 +196,12 @@ def load_model(
     trust_remote_code: bool = False,
     override_config: dict | None = None,
     config_kwargs: dict | None = None,
+    compute_dtype: torch.dtype | None = None,
 ):
     """Instantiate a HF model of `kind` from a local folder.
+
+    `compute_dtype`: the dtype forward runs in when it differs from the weights' (FSDP2 mixed precision,
+    tinyzero.models.precision); it decides whether "auto" attention may pick flash-attn. None: the weights'.
 
     device="meta" builds the architecture without reading any weights (for FSDP meta init);
     otherwise the weights are loaded on CPU and moved to `device`. `config_kwargs` are applied to
@@ -208,7 +215,8 @@ def load_model(
     else:
         compute_device = device
     torch_dtype = pick_dtype(compute_device, dtype)
-    attn = pick_attn_implementation(compute_device, attn_implementation)
+    compute_dtype = torch_dtype if compute_dtype is None else compute_dtype
+    attn = pick_attn_implementation(compute_device, attn_implementation, compute_dtype)
     cfg = load_hf_config(full, trust_remote_code=trust_remote_code, override_config=override_config)
     for key, value in (config_kwargs or {}).items():
         setattr(cfg, key, value)

@@ -1,4 +1,4 @@
-"""Attention for the native engine's fused decoder: the prefill mask and the decode-step attentions.
+"""Attention for the native engine's fused decoder: the prefill mask and attention, the decode-step attentions.
 
 A decode step has one query per row. `decode_attention` runs it over each row's own cache;
 `shared_decode_attention` over a prompt block shared by the rows of one prompt plus each row's
@@ -12,6 +12,7 @@ prompt i), P prompt slots, T filled response slots.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def attention_mask(key_valid: torch.Tensor, start: int, num_new: int) -> torch.Tensor:
@@ -73,3 +74,27 @@ def shared_decode_attention(q: torch.Tensor, k_prompt: torch.Tensor, v_prompt: t
     out = torch.bmm(probs[..., :P].reshape(Bp * KV, g * G, P), vp)  # (Bp*KV, g*G, D)
     out = torch.baddbmm(out.view(Bp * KV * g, G, D), probs[..., P:].reshape(Bp * KV * g, G, T), vr)
     return out.view(Bp, KV, g, G, D).transpose(1, 2).reshape(B, H * D)
+
+
+def sdpa_takes_grouped_kv(device_type: str) -> bool:
+    """Whether SDPA with a mask should get grouped kv heads as they are (`enable_gqa`) on this device.
+
+    CPU: yes, its kernel takes them. CUDA: no: with a mask and enable_gqa, SDPA's flash and memory-efficient
+    kernels decline and the math kernel materialises the (rows, heads, L, L) fp32 scores, so long prompts
+    run out of memory; the kv heads are repeated instead (as workers/packing.py does). Which kernel SDPA
+    picks can only be seen on a GPU (scripts/gpu_check.py's bench_rollout runs the prefill there).
+    """
+    return device_type != "cuda"
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, grouped_kv: bool | None = None) -> torch.Tensor:
+    """SDPA over a prefill: q (B, H, T, D), k / v (B, KV, S, D), mask (B, 1, T, S) -> (B, H, T, D).
+    `grouped_kv` None decides by the device (sdpa_takes_grouped_kv)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if grouped_kv is None:
+        grouped_kv = sdpa_takes_grouped_kv(q.device.type)
+    if heads != kv_heads and not grouped_kv:
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=heads != k.shape[1])

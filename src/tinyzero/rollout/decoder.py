@@ -59,7 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyzero.rollout.attention import attention_mask, decode_attention, shared_decode_attention
+from tinyzero.rollout.attention import (
+    attention_mask,
+    decode_attention,
+    prefill_attention,
+    shared_decode_attention,
+)
 from tinyzero.rollout.decoder_tp import TensorParallelDecoding
 from tinyzero.rollout.fused_ops import (
     act_fn,
@@ -302,8 +307,7 @@ class FusedDecoder(TensorParallelDecoding):
         else:
             k_t, v_all = self.caches[layer_idx].update(start, k, v)  # (B, kv, D, S), (B, kv, S, D)
         scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
-        out = F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v_all, attn_mask=mask, scale=scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = prefill_attention(q, k_t.transpose(-1, -2), v_all, mask, scale)
         return linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
 
     def _qkv_decode(self, f: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
