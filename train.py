@@ -65,12 +65,15 @@ def run(cfg) -> dict:
 REPORT_GRACE_S = 3.0
 
 
-def _after_report(code: int) -> int:
-    """The exit code of an error only rank 0 reports. The other ranks wait a moment first: torchrun
-    stops the whole job when the first rank exits, and rank 0 must not be stopped before it prints."""
+def _after_report(code: int, reported: bool | None = None) -> int:
+    """The exit code of an error one rank reports (rank 0 unless `reported` says whether this rank
+    did). The others wait a moment first: torchrun stops the whole job when the first rank exits, and
+    the reporting rank must not be stopped before it prints."""
     from tinyzero.distributed import get_rank
+    from tinyzero.trainer.preemption import uninstall_stop_handlers
 
-    if get_rank() != 0:
+    if not (get_rank() == 0 if reported is None else reported):
+        uninstall_stop_handlers()  # torchrun's SIGTERM then ends this rank quietly: the error is reported
         time.sleep(REPORT_GRACE_S)
     return code
 
@@ -81,13 +84,59 @@ def _debug_traceback() -> None:
         traceback.print_exc()
 
 
+def _report_one_line(e: BaseException) -> int | None:
+    """A user error (failure.is_user_error), raised on this rank or on another one (a RemoteWorkerError
+    that carries it): one line naming the failing rank, printed by one rank. A collective that timed
+    out: one line naming the rank that did not arrive. None for a bug (its traceback is printed)."""
+    from tinyzero.distributed import get_rank, get_world_size
+    from tinyzero.runtime.progress import HANG_EXIT_CODE
+    from tinyzero.single_controller.failure import (
+        RemoteWorkerError,
+        describe_failure,
+        is_collective_timeout,
+        is_user_error,
+        one_line,
+        record_abort,
+        timeout_report,
+    )
+
+    rank = get_rank()
+    if is_collective_timeout(e):
+        print(timeout_report(e, rank, get_world_size()), file=sys.stderr, flush=True)
+        _debug_traceback()
+        return HANG_EXIT_CODE
+    if isinstance(e, RemoteWorkerError):
+        if e.user_error is None:
+            return None
+        failed, message = e.user_error
+        reported = failed == rank
+    elif is_user_error(e):
+        # The same bad input often stops several ranks: the first to record it reports it, and the
+        # record tells ranks still waiting for this one why it stopped.
+        failed, message = rank, one_line(e)
+        reported = record_abort(describe_failure(e, f"rank {rank}", rank))
+    else:
+        return None
+    if reported:
+        print(f"[rank {failed}] error: {message}", file=sys.stderr, flush=True)
+        _debug_traceback()
+    return _after_report(2, reported)
+
+
 def main(argv: list[str] | None = None) -> int:
     from tinyzero.config import ConfigError
     from tinyzero.config.parse import parse_args
-    from tinyzero.distributed import cleanup, get_rank, init_distributed, set_seed
+    from tinyzero.distributed import (
+        cleanup,
+        get_rank,
+        init_distributed,
+        resolve_collective_timeout_s,
+        set_seed,
+    )
     from tinyzero.rewards.manager import RewardError
     from tinyzero.runtime.host_memory import keep_freed_memory, set_mmap_threshold, set_trim_threshold
     from tinyzero.runtime.progress import start_watchdog, stop_watchdog
+    from tinyzero.single_controller.failure import report_as_user_errors
     from tinyzero.trainer.checkpoint import CheckpointSpaceError
     from tinyzero.trainer.loop import NonFiniteError
     from tinyzero.trainer.preemption import (
@@ -103,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
             cfg = parse_args(argv)  # tyro reports bad flags itself and exits (SystemExit)
+            resolve_collective_timeout_s(cfg.trainer.collective_timeout_s)  # TINYZERO_COLLECTIVE_TIMEOUT_S
     except (ValueError, SystemExit) as e:
         if isinstance(e, SystemExit) and e.code in (0, None):  # --help
             raise
@@ -117,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     set_trim_threshold(cfg.trainer.host_trim_threshold_mb * 2**20)
     if cfg.trainer.host_keep_freed_memory:
         keep_freed_memory()
-    init_distributed(cfg.trainer.collective_timeout_s)
-    start_watchdog(cfg.trainer.hang_timeout_s)
+    # Raised in a worker, these reach the other ranks as one line too (single_controller.failure).
+    report_as_user_errors(RunFolderBusy, CheckpointSpaceError, Preempted, NonFiniteError)
     try:
+        init_distributed(cfg.trainer.collective_timeout_s)
+        start_watchdog(cfg.trainer.hang_timeout_s)
         set_seed(cfg.trainer.seed)
         with hold_run_folder(cfg.trainer.default_local_dir):  # before anything in the folder is written
             if cfg.trainer.save_on_signal:  # every trainer's loop (trainer/loop.py) checks at each step's end
@@ -137,20 +189,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped: {e}", file=sys.stderr, flush=True)
             _debug_traceback()
         return _after_report(getattr(e, "exit_code", 2))
-    except ValueError as e:
-        # An input the user can fix (a bad data row, a missing file): one line per rank that hit it.
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"[rank {get_rank()}] error: {e}\n  (raised at {where.filename}:{where.lineno})", file=sys.stderr,
-              flush=True)
-        _debug_traceback()
-        return 2
     except NonFiniteError as e:
         # Not a bug to debug: the message says which step, what was non-finite and what to change.
         # Metrics are reduced over ranks, so every rank stops at the same step: rank 0 reports it.
         if get_rank() == 0:
             print(f"stopped: {e}", file=sys.stderr, flush=True)
         return _after_report(3)
-    except BaseException:
+    except BaseException as e:
+        # An input the user can fix (a bad data row, a missing file, a bad tool or model file), raised
+        # here or in a worker on any rank, or a timed-out collective: one line. Anything else is a bug:
+        # its traceback.
+        code = _report_one_line(e)
+        if code is not None:
+            return code
         print(f"[rank {get_rank()}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         exit_if_signalled()  # torchrun sends SIGTERM to the survivors of a failed rank: skip the teardown
         raise

@@ -134,6 +134,9 @@ def load_yaml(path: str, base: Config | None = None) -> Config:
         raise ConfigError(f"--config {path}: is a folder; pass a YAML file (e.g. RUN/config.yaml)") from None
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not a UTF-8 text file (byte {e.start}: {e.reason}); pass a YAML "
+                          "config (e.g. RUN/config.yaml), not a binary file") from None
     except yaml.YAMLError as e:
         # Tags such as !!python/object are refused by the safe loader: a config holds plain values only.
         problem = " ".join(str(e).split())

@@ -82,6 +82,10 @@ class RLHFDataset:
             )
         self.tables = [load_rl_parquet(f, self.config.prompt_key) for f in self.files]
         sizes = [t.num_rows for t in self.tables]
+        for path, n in zip(self.files, sizes):
+            if n == 0:
+                raise ValueError(f"data file {path!r} has no rows (a parquet file with its columns and 0 rows); "
+                                 "write it again, or leave it out of data.train_files / data.val_files")
         self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_rows_total = int(self._offsets[-1])
         self.data_sources = sorted({s for t in self.tables for s in t.column("data_source").unique().to_pylist()})

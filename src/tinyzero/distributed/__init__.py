@@ -72,8 +72,9 @@ def resolve_collective_timeout_s(timeout_s: float | None = None) -> float:
             value = float(raw)
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; unset it or give e.g. 600") from None
-        if value <= 0:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be > 0 seconds")
+        if not 0 < value < float("inf"):  # NaN and inf too: a timedelta cannot hold them
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a finite number of seconds > 0; unset it or give "
+                             "e.g. 600")
         return value
     return DEFAULT_COLLECTIVE_TIMEOUT_S if timeout_s is None else float(timeout_s)
 

@@ -276,7 +276,15 @@ def load_custom_fn(spec: str, what: str = "reward.custom_fn") -> Callable[..., A
         raise ValueError(f"{what}: cannot import {path!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"{what}: {path}:{e.lineno}: {e.msg} (a syntax error); fix the file") from e
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"{what}: importing {path!r} failed with {type(e).__name__}: {e}; fix the file or "
+                         "install what it imports") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{what}: {path!r} has no function named {name!r}")

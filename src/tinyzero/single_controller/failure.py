@@ -16,16 +16,26 @@ Three mechanisms, from cheapest to last resort:
 Collective timeouts come from trainer.collective_timeout_s as init_distributed() resolved it
 (TINYZERO_COLLECTIVE_TIMEOUT_S overrides it; default 1800 s) unless a ResourcePool is given its
 own `timeout_s`. The first failure records its rank, so every message names the rank that
-failed first.
+failed first. A rank whose collective timed out did not fail itself (a peer never arrived), so
+it records no origin: the messages then say which rank waited and that the one that did not
+arrive is unknown, unless a real failure is recorded later.
+
+A user error (`ValueError`, which covers ConfigError, or a type the entry point names with
+`report_as_user_errors`) travels with a first line carrying its message, so any rank that learns
+of it can report the one line that names the failing rank and the fix (`user_error`); the
+traceback stays behind it for TINYZERO_DEBUG=1. Any other exception is a bug and keeps its
+traceback everywhere.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -33,11 +43,77 @@ import torch.distributed as dist
 from tinyzero.distributed import on_cleanup
 
 __all__ = ["RemoteWorkerError", "SPMDDivergenceError", "abort_rank", "collective_timeout_s", "control_store",
-           "record_abort", "read_abort", "guard", "start_watchdog"]
+           "describe_failure", "is_collective_timeout", "one_line", "record_abort", "read_abort",
+           "report_as_user_errors", "guard", "start_watchdog", "timeout_report", "user_error"]
 
 _KEY_PREFIX = "tinyzero/sc/"
 _ABORT_KEY = "abort"
 _ABORT_RANK_KEY = "abort_rank"
+
+
+# A user error's first line as it travels between ranks (describe_failure): the failing rank and the
+# exception's message on one line.
+_USER_LINE = re.compile(r"^\[tinyzero\] user error on rank (\d+): (.*)$", re.MULTILINE)
+_user_error_types: tuple[type[BaseException], ...] = (ValueError,)
+
+
+def report_as_user_errors(*types: type[BaseException]) -> None:
+    """Report these exception types (besides ValueError) as a user error: one line, no traceback."""
+    global _user_error_types
+    _user_error_types = tuple(dict.fromkeys((*_user_error_types, *types)))
+
+
+def is_user_error(exc: BaseException) -> bool:
+    return isinstance(exc, _user_error_types)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (its type name when it has none)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return text or type(exc).__name__
+
+
+def describe_failure(exc: BaseException, header: str, rank: int | None = None) -> str:
+    """How a failure travels to the other ranks: `header:` and the traceback, after a first line with
+    the one-line message when `exc` is a user error (see `user_error`)."""
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    text = f"{header}:\n{''.join(traceback.format_exception(exc))}"
+    if is_user_error(exc):
+        text = f"[tinyzero] user error on rank {rank}: {one_line(exc)}\n{text}"
+    return text
+
+
+def user_error(text: str) -> tuple[int, str] | None:
+    """(rank, one-line message) of the user error a failure text carries, or None for a bug."""
+    match = _USER_LINE.search(text or "")
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether a collective (or a store wait) gave up waiting for a peer, rather than failing itself:
+    torch.distributed's backends raise a RuntimeError saying "Timed out" (gloo) or "timed out" (nccl,
+    the store), wait_for_key a TimeoutError."""
+    if isinstance(exc, RemoteWorkerError):
+        return False
+    return isinstance(exc, TimeoutError) or (isinstance(exc, RuntimeError) and "imed out" in str(exc))
+
+
+def timeout_report(exc: BaseException, rank: int, world_size: int) -> str:
+    """One line for a collective that timed out on this rank: the peer that did not arrive caused it,
+    not this rank. With two ranks that peer is known; with more, which one is not (the hang watchdog,
+    trainer.hang_timeout_s > 0, names it before the timeout would)."""
+    others = [r for r in range(world_size) if r != rank]
+    who = f"rank {others[0]}" if len(others) == 1 else f"another rank (one of ranks {others}; which one is unknown)"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}tinyzero{os.sep}" in f.filename]
+    where = ""
+    if frames:
+        path = frames[-1].filename.split(f"{os.sep}tinyzero{os.sep}")[-1]
+        where = f" in {path}:{frames[-1].lineno} ({frames[-1].name})"
+    return (f"[rank {rank}] stopped: a collective{where} timed out after {collective_timeout_s():.0f} s waiting "
+            f"for {who}, which did not arrive; this rank did not fail. Set trainer.hang_timeout_s > 0 (the hang "
+            "watchdog names a stuck rank and prints its stack), or raise trainer.collective_timeout_s / "
+            "TINYZERO_COLLECTIVE_TIMEOUT_S if a step takes longer than that")
 
 
 class RemoteWorkerError(RuntimeError):
@@ -48,6 +124,11 @@ class RemoteWorkerError(RuntimeError):
         self.rank = rank
         self.remote_traceback = remote_traceback
         _state.raised = True
+
+    @property
+    def user_error(self) -> tuple[int, str] | None:
+        """(failing rank, one-line message) when the remote failure is a user error, else None."""
+        return user_error(self.remote_traceback) or user_error(str(self))
 
 
 class SPMDDivergenceError(RuntimeError):
@@ -106,18 +187,22 @@ def control_store():
     return _state.store
 
 
-def record_abort(message: str) -> None:
-    """Publish the first failure of the job (later ones keep the first message)."""
+def record_abort(message: str) -> bool:
+    """Publish the first failure of the job (later ones keep the first message). Returns whether
+    this rank's failure is the one recorded, the first of the job (True too when there is no store
+    to record it in: then no other rank can report it)."""
     store = control_store()
     if store is None:
-        return
+        return True
     try:
         if store.add("abort_count", 1) == 1:
             store.set(_ABORT_RANK_KEY, str(dist.get_rank()))
             store.set(_ABORT_KEY, message)
             _state.origin = True
+            return True
     except Exception:  # noqa: BLE001 - the store may already be gone while the job dies
-        pass
+        return True
+    return False
 
 
 def _read(key: str) -> str | None:
@@ -214,9 +299,13 @@ def _watch(poll_s: float, stop: threading.Event) -> None:
 
 
 def _exit_message(message: str) -> str:
-    """What the abort watchdog prints before it ends this process: who failed first, and its error."""
+    """What the abort watchdog prints before it ends this process: who failed first, and its error
+    (a user error as its one line, on the failing rank only, unless TINYZERO_DEBUG=1)."""
     rank = dist.get_rank() if dist.is_initialized() else -1
     first = abort_rank()
+    user = user_error(message)
+    if user is not None and os.environ.get("TINYZERO_DEBUG") != "1":
+        return f"[rank {user[0]}] error: {user[1]}\n" if user[0] == rank else ""
     if _state.origin or first == rank:
         return (f"[tinyzero] rank {rank}: exiting after its own failure (the first of the job); its peers "
                 f"could not be told in time:\n{message}\n")

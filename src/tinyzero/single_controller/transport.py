@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import pickle
-import traceback
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tinyzero.single_controller.failure import RemoteWorkerError, guard, record_abort
+from tinyzero.single_controller.failure import RemoteWorkerError, describe_failure, guard, record_abort
 
 __all__ = ["Envelope", "exchange", "raise_if_failed", "gather_protos", "broadcast_value", "format_failure"]
 
@@ -44,7 +44,9 @@ class Envelope:
 
 
 def format_failure(label: str, global_rank: int, pool_rank: int) -> str:
-    return f"{label} raised on rank {global_rank} (pool rank {pool_rank}):\n{traceback.format_exc()}"
+    """The exception being handled, as it travels to the other ranks (failure.describe_failure)."""
+    return describe_failure(sys.exc_info()[1], f"{label} raised on rank {global_rank} (pool rank {pool_rank})",
+                            global_rank)
 
 
 def make_envelope(output, error: str | None, contribute: bool) -> Envelope:

@@ -24,7 +24,13 @@ import torch.distributed as dist
 
 from tinyzero.single_controller import decorator as dec
 from tinyzero.single_controller.decorator import DP_MODES, Dispatch, Execute, MethodSpec
-from tinyzero.single_controller.failure import collective_timeout_s, control_store, guard, record_abort
+from tinyzero.single_controller.failure import (
+    collective_timeout_s,
+    control_store,
+    guard,
+    is_collective_timeout,
+    record_abort,
+)
 from tinyzero.single_controller.future import LazyResult, flush_pending, materialize, materialize_args
 from tinyzero.single_controller.resource_pool import ResourcePool, ensure_distributed
 from tinyzero.single_controller.spmd import check_same_call, next_call_seq, spmd_check_enabled
@@ -173,9 +179,10 @@ class WorkerGroup:
             a, kw = self._share(spec, args, kwargs, rank, n, dp_rank, dp_size, label)
             if run:
                 output = getattr(self.worker, attr)(*a, **kw)
-        except Exception:
+        except Exception as e:
             error = format_failure(label, dist.get_rank(), rank)
-            record_abort(error)
+            if not is_collective_timeout(e):  # a timed-out wait is a peer's failure: not the job's origin
+                record_abort(error)
         if spec.execute_mode is Execute.RANK_ZERO:
             envs = exchange(make_envelope(output, error, rank == 0), pool.control_group, label)
             raise_if_failed(envs, pool.ranks, label)

@@ -454,5 +454,13 @@ def load_trainer_state(step_dir: str) -> dict:
     path = os.path.join(step_dir, TRAINER_STATE)
     if not os.path.isfile(path):
         raise ValueError(f"{step_dir!r} has no {TRAINER_STATE}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise ValueError(f"{path}: not a readable trainer state ({e}); resume from another checkpoint "
+                         "(trainer.resume_from_path) or start fresh (trainer.resume_mode=disable)") from e
+    if not isinstance(state, dict) or "global_step" not in state:
+        raise ValueError(f"{path}: not a trainer state (a JSON object with global_step); resume from another "
+                         "checkpoint (trainer.resume_from_path) or start fresh (trainer.resume_mode=disable)")
+    return state

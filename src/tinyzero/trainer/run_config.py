@@ -1,6 +1,7 @@
 """The run folder's config.yaml: refuse a resume whose config changes the training, keep the history.
 
     write_config(cfg, run_dir, saved_path)   # rank 0; raises ConfigError naming the changed fields
+                                             # (or a name in trainer.allow_config_change that is no field)
 
 Resuming with another batch size, learning rate, seed or model gives a run that is neither the
 old one nor a new one, so a resume compares the new config with the saved one and refuses
@@ -12,6 +13,7 @@ always the latest.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import warnings
@@ -63,6 +65,20 @@ def changed_fields(old: dict, new: dict) -> dict[str, tuple]:
     return {k: (a[k], b[k]) for k in a.keys() & b.keys() if a[k] != b[k]}
 
 
+def allowed_changes(cfg) -> set[str]:
+    """The names in trainer.allow_config_change: "all" or fields of the config; anything else (a typo, a
+    mode that does not exist) is a ConfigError naming the valid forms."""
+    allowed = {x.strip() for x in cfg.trainer.allow_config_change.split(",") if x.strip()}
+    fields = _flatten(to_dict(cfg))
+    for name in sorted(allowed - {"all"} - fields.keys()):
+        close = difflib.get_close_matches(name, list(fields) + ["all"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"trainer.allow_config_change: {name!r} is neither a config field nor 'all'{hint}; give "
+                          "'all' (accept every change) or the changed fields, comma-separated, as the refusal "
+                          "names them (e.g. data.train_batch_size,actor_rollout_ref.actor.optim.lr)")
+    return allowed
+
+
 def check_resume_config(saved_path: str, cfg) -> None:
     """Raise ConfigError if `cfg` changes fields of the config at `saved_path` that alter the training."""
     try:
@@ -74,7 +90,7 @@ def check_resume_config(saved_path: str, cfg) -> None:
     if not isinstance(old, dict):
         return
     new = yaml.safe_load(yaml.safe_dump(to_dict(cfg)))  # the same round trip the saved file went through
-    allowed = {x.strip() for x in cfg.trainer.allow_config_change.split(",") if x.strip()}
+    allowed = allowed_changes(cfg)
     changes = {k: v for k, v in changed_fields(old, new).items() if not _safe(k)}
     refused = {k: v for k, v in changes.items() if "all" not in allowed and k not in allowed}
     if refused:
@@ -87,6 +103,7 @@ def check_resume_config(saved_path: str, cfg) -> None:
 def write_config(cfg, run_dir: str, saved_path: str | None) -> None:
     """Check `cfg` against `saved_path` (the resumed run's config.yaml, if resuming), then write config.yaml;
     an earlier, different config.yaml is kept as config.<N>.yaml."""
+    allowed_changes(cfg)  # a misspelt name fails at every start, not only at the resume that needs it
     if saved_path is not None and os.path.isfile(saved_path):
         check_resume_config(saved_path, cfg)
     os.makedirs(run_dir, exist_ok=True)
