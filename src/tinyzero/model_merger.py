@@ -189,7 +189,7 @@ def checkpoint_model_tensors(role_dir: str) -> dict[str, object]:
     return out
 
 
-def _build(source: ModelSource, device: str, dtype: torch.dtype) -> nn.Module:
+def _build(source: ModelSource, device: str, dtype: torch.dtype | str) -> nn.Module:
     from tinyzero.models.loading import load_model
     from tinyzero.models.value import load_reward_model, load_value_model
 
@@ -222,7 +222,9 @@ def load_checkpoint_model(ckpt: Checkpoint, source: ModelSource) -> nn.Module:
         if spec is None:
             raise MergerError(f"{ckpt.role_dir} holds LoRA adapters but the run's config has model.lora_rank=0; "
                               "pass --config with the config of the run that trained them")
-        model = _build(source, "cpu", dtype)  # the frozen base is not in the checkpoint
+        # The frozen base is not in the checkpoint: read it in the run's model.dtype, as training did, beside
+        # the adapters in the dtype they were saved in.
+        model = _build(source, "cpu", source.model_config.dtype)
         apply_lora(model, spec, dtype=dtype, init=False)
         expected = sorted(n for n, _ in model.named_parameters() if is_lora_name(n))
         if expected != adapters:
@@ -262,6 +264,9 @@ def merge(ckpt: Checkpoint, source: ModelSource, target_dir: str, lora_mode: str
     mc = source.model_config
     tokenizer = load_tokenizer(mc.resolved_tokenizer_path, mc.trust_remote_code)
     if not has_lora(model):
+        if lora_mode == "adapter":
+            raise MergerError(f"--lora_mode adapter: {ckpt.role_dir} holds full weights, no LoRA adapters; drop the "
+                              "flag to write the model")
         return [export_hf(model, target, tokenizer=tokenizer, dtype=dtype)]
     written = []
     if lora_mode in ("both", "merged"):
