@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 from tinyzero.configs import PRESETS
 
-from tinyzero.config import Config, check_model_context, check_world
+from tinyzero.config import Config, check_model_context
 from tinyzero.config.parse import dump_yaml, load_preset, load_yaml, merge_dict, parse_args, to_dict
+from tinyzero.plan import plan_run
 
 REQUIRED_PRESETS = {"demo_cpu", "countdown_qwen2_5_3b_ppo", "countdown_qwen2_5_3b_grpo", "gsm8k_grpo", "sft", "rm"}
 
@@ -100,25 +101,25 @@ def test_batch_divisibility_messages():
                                 "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 6,
                                                                 "ppo_micro_batch_size_per_gpu": 4}}})
     with pytest.raises(ValueError, match="ppo_micro_batch_size_per_gpu"):
-        check_world(cfg, 3)
+        _check_world(cfg, 3)
     cfg = merge_dict(Config(), {"data": {"train_batch_size": 10},
                                 "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 5}}})
     with pytest.raises(ValueError, match="multiple of 4"):
-        check_world(cfg, 4)
-    check_world(merge_dict(Config(), {"data": {"train_batch_size": 16},
+        _check_world(cfg, 4)
+    _check_world(merge_dict(Config(), {"data": {"train_batch_size": 16},
                                       "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8}}}), 4)
 
 
 def test_tp_must_divide_world():
     cfg = merge_dict(Config(), {"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 3}}})
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3"):
-        check_world(cfg, 4)
+        _check_world(cfg, 4)
 
 
 def test_split_placement_needs_two_ranks():
     cfg = merge_dict(Config(), {"trainer": {"placement": "split"}})
     with pytest.raises(ValueError, match="at least 2 ranks"):
-        check_world(cfg, 1)
+        _check_world(cfg, 1)
 
 
 def test_lengths_vs_context():
@@ -176,11 +177,11 @@ def test_vllm_rollout_needs_colocated_placement():
     cfg = merge_dict(Config(), {"trainer": {"placement": "split"},
                                 "actor_rollout_ref": {"rollout": {"name": "vllm"}}})
     with pytest.raises(ValueError, match="placement=colocate"):
-        check_world(cfg, 4)
+        _check_world(cfg, 4)
 
 
 def test_rollout_log_prob_batching_follows_a_dynamic_actor():
-    from tinyzero.config import sync_derived_fields
+    from tinyzero.plan import sync_derived_fields
 
     cfg = merge_dict(Config(), {"actor_rollout_ref": {"actor": {"use_dynamic_bsz": True,
                                                                 "ppo_max_token_len_per_gpu": 4096}}})
@@ -200,3 +201,8 @@ def test_weight_sync_bucket_defaults_by_device():
     assert sync_bucket_bytes(RolloutConfig(weight_sync_bucket_mb=8), torch.device("cuda", 0)) == 8 << 20
     with pytest.raises(ValueError, match="weight_sync_bucket_mb must be >= 0"):
         RolloutConfig(weight_sync_bucket_mb=-1)
+
+
+def _check_world(cfg, world_size):
+    """The world-size rules: the run plan's."""
+    return plan_run(cfg, world_size, notice=None)

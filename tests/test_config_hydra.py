@@ -48,8 +48,9 @@ def test_lists_as_hydra_writes_them():
     cfg = parse_args(["data.train_files=/d/gsm8k/train.parquet"])
     assert cfg.data.train_files == ["/d/gsm8k/train.parquet"]
     assert parse_args(["actor_rollout_ref.actor.optim.betas=[0.8,0.95]"]).actor_rollout_ref.actor.optim.betas == (0.8, 0.95)
-    # tinyzero's own list syntax still works
+    # tinyzero's own list syntax still works, an empty list too
     assert parse_args(["--trainer.logger", "console", "jsonl"]).trainer.logger == ["console", "jsonl"]
+    assert parse_args(["--data.val_files", "--trainer.seed", "3"]).data.val_files == []
 
 
 def test_quoted_strings_keep_spaces_equals_and_leading_zeros():
@@ -122,3 +123,13 @@ def test_verl_style_yaml_loads(tmp_path):
     # veRL's launcher form: --config-path DIR --config-name NAME, then overrides on top
     cfg = parse_args(["--config-path", str(tmp_path), "--config-name", "verl", "trainer.total_epochs=3"])
     assert cfg.trainer.total_epochs == 3 and cfg.actor_rollout_ref.rollout.n == 4
+
+
+def test_entries_of_a_mapping_field():
+    cfg = parse_args(["+custom_reward_function.reward_kwargs.weight=0.5",
+                      "+custom_reward_function.reward_kwargs.mode=strict",
+                      "++actor_rollout_ref.model.override_config.attention_dropout=0.0"])
+    assert cfg.custom_reward_function.reward_kwargs == {"weight": 0.5, "mode": "strict"}
+    assert cfg.actor_rollout_ref.model.override_config == {"attention_dropout": 0.0}
+    cfg = parse_args(["custom_reward_function.reward_kwargs={a:1,b:2}", "~custom_reward_function.reward_kwargs.a"])
+    assert cfg.custom_reward_function.reward_kwargs == {"b": 2}

@@ -19,7 +19,7 @@ SRC = ROOT / "src" / "tinyzero"
 
 # package (first name below tinyzero) -> layer; a module may import its own layer and the ones below.
 LAYERS = {
-    "trainer": 5, "demo": 5, "demo_tools": 5, "plot": 5, "config": 5, "configs": 5, "model_merger": 5,
+    "trainer": 5, "demo": 5, "demo_tools": 5, "plot": 5, "config": 5, "configs": 5, "model_merger": 5, "plan": 5,
     "workers": 4,
     "rollout": 3, "models": 3, "algorithms": 3, "agent": 3, "rewards": 3, "data": 3,
     "protocol": 1, "single_controller": 1, "kernels": 1, "distributed": 1, "runtime": 1,

@@ -65,7 +65,8 @@ def test_dpo_settings_name_real_fields():
 
 
 def test_derived_rollout_lengths_warn_when_the_user_set_them():
-    from tinyzero.config import Config, sync_derived_fields
+    from tinyzero.config import Config
+    from tinyzero.plan import sync_derived_fields
 
     cfg = Config()
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 32

@@ -132,10 +132,14 @@ def test_meshes_over_a_pool_subset():
 
 
 def test_model_layouts_are_checked_before_anything_starts():
-    """Start-up check (trainer.builder.check_model_layouts): heads / sizes that tp or sp cannot split."""
+    """Start-up check (the run plan against the model, tinyzero.plan.with_model): heads / sizes that tp or sp
+    cannot split."""
     from tinyzero.config import Config, ConfigError
     from tinyzero.config.parse import merge_dict
-    from tinyzero.trainer.builder import check_model_layouts
+    from tinyzero.plan import plan_run, with_model
+
+    def check_model_layouts(cfg, world_size, hf_config):
+        with_model(plan_run(cfg, world_size, notice=None), hf_config)
 
     hf = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, intermediate_size=64, vocab_size=128)
     ok = merge_dict(Config(), {"actor_rollout_ref": {"actor": {"tensor_model_parallel_size": 2}}})

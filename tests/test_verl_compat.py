@@ -18,9 +18,10 @@ import warnings
 import pytest
 import yaml
 
-from tinyzero.config import Config, ConfigError, check_world, verl
+from tinyzero.config import Config, ConfigError, verl
 from tinyzero.config.parse import flag_names, merge_dict
 from tinyzero.config.verl import KEYS, resolve_key
+from tinyzero.plan import plan_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "assets", "verl_scripts")
@@ -245,16 +246,18 @@ def test_global_micro_batch_sizes_divide_by_the_data_parallel_size_as_verl():
                        "actor_rollout_ref.ref.ulysses_sequence_parallel_size": sp,
                        "actor_rollout_ref.actor.use_kl_loss": True,
                        "critic.ppo_micro_batch_size": 8})
-        check_world(cfg, world)
+        resolved = plan_run(cfg, world, notice=None).config
+        assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size == 8  # the user's config is not written
+        cfg = resolved
         arr, dp = cfg.actor_rollout_ref, world // sp
         assert arr.actor.ppo_micro_batch_size_per_gpu == 8 // dp
         assert arr.rollout.log_prob_micro_batch_size_per_gpu == 8 // dp
         assert arr.ref.log_prob_micro_batch_size_per_gpu == 4 // dp
         assert cfg.critic.ppo_micro_batch_size_per_gpu == 8 // world
         assert cfg.critic.forward_micro_batch_size_per_gpu == 8 // world  # veRL: forward follows ppo's
-        assert arr.actor.ppo_micro_batch_size is None  # converted once: a second check changes nothing
-        check_world(cfg, world)
-        assert arr.actor.ppo_micro_batch_size_per_gpu == 8 // dp
+        assert arr.actor.ppo_micro_batch_size is None  # converted once: a second plan changes nothing
+        again = plan_run(cfg, world, notice=None).config
+        assert again.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8 // dp
 
 
 def test_global_and_per_gpu_micro_batch_together_are_refused():
@@ -267,20 +270,20 @@ def test_global_micro_batch_below_one_row_per_rank_is_refused():
     cfg = _config({"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
                    "actor_rollout_ref.ref.log_prob_micro_batch_size": 1})
     with pytest.raises(ConfigError, match="log_prob_micro_batch_size_per_gpu"):
-        check_world(cfg, 2)
+        plan_run(cfg, 2, notice=None)
 
 
 def test_gpus_per_node_times_nodes_must_be_the_torchrun_world():
     cfg = _config({"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
                    "trainer.n_gpus_per_node": 8, "trainer.nnodes": 1})
     with pytest.raises(ConfigError) as e:
-        check_world(cfg, 2)
+        plan_run(cfg, 2, notice=None)
     msg = str(e.value)
     assert "trainer.n_gpus_per_node=8" in msg and "torchrun started 2" in msg and "--nproc_per_node 8" in msg
     assert "\n" not in msg
     cfg = _config({"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
                    "trainer.n_gpus_per_node": 2, "trainer.nnodes": 2})
-    check_world(cfg, 4)
+    plan_run(cfg, 4, notice=None)
 
 
 def test_filter_overlong_prompts_wins_over_truncation_as_in_verl():

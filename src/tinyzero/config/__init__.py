@@ -1,4 +1,5 @@
-"""The run's configuration: the root config and its checks (root), reading and writing it (parse).
+"""The run's configuration: the root config and its checks (root), reading and writing it (parse), veRL's
+keys (verl). What a run derives from it on a world of ranks is the run plan (tinyzero.plan).
 
     from tinyzero.config import Config, ConfigError
     from tinyzero.config.parse import parse_args, load_yaml, dump_yaml
@@ -12,12 +13,8 @@ from tinyzero.config.root import (
     TrainerConfig,
     check_config,
     check_model_context,
-    check_world,
-    critic_mini_batch_size,
     nearest,
-    pool_sizes,
-    sync_derived_fields,
 )
 
 __all__ = ["MODES", "Config", "ConfigError", "DPOConfig", "TrainerConfig", "check_config", "check_model_context",
-           "check_world", "critic_mini_batch_size", "nearest", "pool_sizes", "sync_derived_fields"]
+           "nearest"]

@@ -11,6 +11,7 @@ a user can cause (a malformed file, a wrong type, an unknown flag) are one-line 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -268,9 +269,7 @@ def _flag_ops(args: list[str]) -> list[tuple[str, Any, str | None]]:
                 while i < len(args) and not args[i].startswith("--") and not _is_override(args[i]):
                     values.append(args[i])
                     i += 1
-            if not values:
-                raise ConfigError(f"--{name} needs a value (e.g. --{name} VALUE or {name}=VALUE)")
-            ops.append((name, values, None))
+            ops.append((name, values, None))  # no value: an empty list for a list field, else an error
         elif _is_override(arg):
             ops.append(_hydra_op(arg))
             i += 1
@@ -300,6 +299,10 @@ def _from_tokens(tokens: list[str], hint: Any, where: str) -> Any:
     if optional and len(tokens) == 1 and tokens[0] in ("None", "null", "none", "~"):
         return None
     listy = [a for a in ([hint] + args) if typing.get_origin(a) in (list, tuple) or a in (list, tuple, dict)]
+    if not tokens:
+        if typing.get_origin(hint) is list:
+            return []
+        raise ConfigError(f"--{where} needs a value (e.g. --{where} VALUE or {where}=VALUE)")
     if listy or hint is dict:
         if len(tokens) == 1 and tokens[0][:1] in "[{":
             return _hydra_value(tokens[0])
@@ -370,6 +373,7 @@ def apply_settings(base: Config, ops: list[tuple[str, Any, str | None]], source:
 
     tree: dict = {}
     for key, value, text in _expand_sections(ops):
+        key, value = _into_mapping_field(base, tree, key, value)
         known, hint = _field_hint(key)
         if value is _DELETE:
             if known and not dataclasses.is_dataclass(hint):
@@ -384,12 +388,44 @@ def apply_settings(base: Config, ops: list[tuple[str, Any, str | None]], source:
                 and not isinstance(value, (str, list, dict)):
             value = text  # key=007 into a string field stays "007"
         elif not known and text is None and source == "flag" and isinstance(value, list):
+            if not value:
+                raise ConfigError(f"--{key} needs a value (e.g. --{key} VALUE or {key}=VALUE)")
             value = _hydra_value(value[0]) if len(value) == 1 else [_hydra_value(v) for v in value]
         for name, resolved in resolve_key(key, value):
             if source == "flag":
                 _check_known(name, key, text)
             _set_path(tree, name, resolved)
     return merge_dict(base, tree)
+
+
+def _into_mapping_field(base: Config, tree: dict, key: str, value: Any) -> tuple[str, Any]:
+    """`field.sub.key=value` on a mapping-typed field (reward_kwargs, override_config) -> the whole mapping
+    with that entry set, on top of what the field holds so far; any other setting passes unchanged."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:i])
+        known, hint = _field_hint(head)
+        if not known:
+            continue
+        if hint is not dict and typing.get_origin(hint) is not dict:
+            return key, value
+        current: Any = tree
+        for part in parts[:i]:
+            current = current.get(part) if isinstance(current, dict) else None
+        if current is None:
+            current = base
+            for part in parts[:i]:
+                current = getattr(current, part)
+        mapping = copy.deepcopy(dict(current))
+        node = mapping
+        for part in parts[i:-1]:
+            node = node.setdefault(part, {})
+        if value is _DELETE:
+            node.pop(parts[-1], None)
+        else:
+            node[parts[-1]] = value
+        return head, mapping
+    return key, value
 
 
 def _expand_sections(ops):

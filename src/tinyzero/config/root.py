@@ -16,9 +16,8 @@ from typing import Literal
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.data.config import DataConfig
-from tinyzero.distributed.parallel_dims import LayoutError
 from tinyzero.rewards.config import CustomRewardFunctionConfig, RewardConfig
-from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig, rollout_dims
+from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
 
 MODES = ("ppo", "sft", "rm", "dpo")
 
@@ -121,12 +120,6 @@ class TrainerConfig:
     """(prompt, response, score) rows written to samples.jsonl per step (0: none)."""
     log_val_generations: int = 4
     """Validation samples written to samples.jsonl at each validation."""
-    rollout_data_dir: str | None = None
-    """Write every training response of each step to DIR/<step>.jsonl (input, output, gts, score, step and the
-    reward function's extra keys, as veRL dumps them); None: no dump."""
-    validation_data_dir: str | None = None
-    """Write every validation response to DIR/<step>.jsonl at each validation (as rollout_data_dir, plus the
-    "reward" column); None: no dump."""
     rollout_data_dir: str | None = None
     """Write every training response of each step to DIR/<step>.jsonl (input, output, gts, score, step and the
     reward function's extra keys, as veRL dumps them); None: no dump."""
@@ -394,142 +387,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} aggregates with "
                          f"{required_agg}: set actor_rollout_ref.actor.loss_agg_mode={required_agg} "
                          f"(got {arr.actor.loss_agg_mode!r})")
-    minis = [("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size)]
-    minis += [("critic", critic_mini_batch_size(cfg))] * (cfg.trainer.mode == "ppo" and cfg.use_critic)
-    for section, mini in minis:
-        if cfg.data.train_batch_size < mini:
-            raise ConfigError(f"{section}.ppo_mini_batch_size={mini} exceeds data.train_batch_size="
-                              f"{cfg.data.train_batch_size}; lower the mini-batch size")
-        if cfg.data.train_batch_size % mini:
-            raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
-                              f"{section}.ppo_mini_batch_size={mini}")
-
-
-def critic_mini_batch_size(cfg: Config) -> int:
-    """critic.ppo_mini_batch_size, or the actor's when unset (veRL's default)."""
-    return cfg.critic.ppo_mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-
-
-def sync_derived_fields(cfg: Config) -> Config:
-    """Copy the values one section derives from another (veRL does this with ${...} interpolation)."""
-    from tinyzero.config.overrides import override
-
-    arr = cfg.actor_rollout_ref
-    override(arr.rollout, "prompt_length", cfg.data.max_prompt_length, "actor_rollout_ref.rollout.prompt_length",
-             "it follows data.max_prompt_length (set that instead)")
-    override(arr.rollout, "response_length", cfg.data.max_response_length, "actor_rollout_ref.rollout.response_length",
-             "it follows data.max_response_length (set that instead)")
-    override(cfg.critic, "rollout_n", arr.rollout.n, "critic.rollout_n", "it follows actor_rollout_ref.rollout.n")
-    cfg.critic.ppo_mini_batch_size = critic_mini_batch_size(cfg)
-    # veRL's default: the rollout's log-prob pass batches like the actor's update unless set apart.
-    if arr.actor.use_dynamic_bsz and not arr.rollout.log_prob_use_dynamic_bsz:
-        arr.rollout.log_prob_use_dynamic_bsz = True
-        override(arr.rollout, "log_prob_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
-                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                 "the log-prob pass batches like the dynamic actor update unless "
-                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true sets it apart")
-    if not cfg.critic.model.path:
-        cfg.critic.model.path = arr.model.path
-    if not cfg.critic.model.tokenizer_path:
-        cfg.critic.model.tokenizer_path = arr.model.tokenizer_path
-    return cfg
-
-
-def check_world(cfg: Config, world_size: int) -> None:
-    """Checks that need the world size (run at start-up), with the setting to change in each message.
-
-    Each role's layout comes from tinyzero.distributed.parallel_dims.ParallelDims (the same object its worker builds),
-    so a layout error here is the one the worker would raise, before anything starts."""
-    arr = cfg.actor_rollout_ref
-    check_gpus_per_node(cfg.trainer, world_size)
-    actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
-    if arr.rollout.name == "vllm" and cfg.trainer.placement != "colocate":
-        raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
-                          "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
-    try:
-        convert_global_micro_batches(cfg, actor_ranks, critic_ranks)
-        if cfg.trainer.mode != "ppo":  # one model on every rank
-            arr.actor.parallel_dims(world_size).check_rows(cfg.data.train_batch_size, "data.train_batch_size",
-                                                           "data.train_batch_size")
-            return
-        rollout_dims(arr.rollout, actor_ranks)
-        actor = arr.actor.parallel_dims(actor_ranks)
-        n = arr.rollout.n
-        rows = cfg.data.train_batch_size * n
-        actor.rows_per_rank(arr.actor.ppo_mini_batch_size, n, arr.actor.ppo_micro_batch_size_per_gpu,
-                            arr.actor.use_dynamic_bsz)
-        actor.check_rows(rows, "data.train_batch_size x rollout.n responses", "data.train_batch_size")
-        if cfg.use_reference:
-            arr.ref.parallel_dims(actor_ranks).check_rows(rows, "data.train_batch_size x rollout.n responses",
-                                                          "data.train_batch_size")
-        if cfg.use_critic:
-            critic = cfg.critic.parallel_dims(critic_ranks)
-            critic.rows_per_rank(critic_mini_batch_size(cfg), n, cfg.critic.ppo_micro_batch_size_per_gpu,
-                                 cfg.critic.use_dynamic_bsz)
-            critic.check_rows(rows, "data.train_batch_size x rollout.n responses", "data.train_batch_size")
-        if cfg.reward_model.enable:
-            cfg.reward_model.parallel_dims(critic_ranks)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_gpus_per_node(trainer: TrainerConfig, world_size: int) -> None:
-    """veRL's trainer.n_gpus_per_node x trainer.nnodes must be the world torchrun started."""
-    if trainer.n_gpus_per_node is None and trainer.nnodes is None:
-        return
-    nnodes = trainer.nnodes or 1
-    if trainer.n_gpus_per_node is None:
-        if world_size % nnodes:
-            raise ConfigError(f"trainer.nnodes={nnodes} does not divide the torchrun world of {world_size} ranks; "
-                              f"launch with torchrun --nnodes {nnodes}, or set trainer.nnodes to the node count")
-        return
-    want = trainer.n_gpus_per_node * nnodes
-    if want != world_size:
-        raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} x trainer.nnodes={nnodes} = {want} "
-                          f"ranks, but torchrun started {world_size}; launch with torchrun --nnodes {nnodes} "
-                          f"--nproc_per_node {trainer.n_gpus_per_node}, or set trainer.n_gpus_per_node and "
-                          f"trainer.nnodes to match the torchrun world")
-
-
-def convert_global_micro_batches(cfg: Config, actor_ranks: int, critic_ranks: int) -> None:
-    """veRL's deprecated global micro-batch sizes become the per-GPU ones, divided by the role's data-parallel
-    size as veRL's workers divide them at start-up (the global field is then cleared)."""
-    from tinyzero.config.overrides import override
-
-    arr, critic = cfg.actor_rollout_ref, cfg.critic
-    if critic.ppo_micro_batch_size is not None and critic.forward_micro_batch_size is None \
-            and critic.forward_micro_batch_size_per_gpu is None:
-        critic.forward_micro_batch_size = critic.ppo_micro_batch_size  # veRL's interpolation
-    jobs = [(arr.actor, "ppo_micro_batch_size", arr.actor, actor_ranks, "actor_rollout_ref.actor"),
-            (arr.rollout, "log_prob_micro_batch_size", arr.actor, actor_ranks, "actor_rollout_ref.rollout"),
-            (arr.ref, "log_prob_micro_batch_size", arr.ref, actor_ranks, "actor_rollout_ref.ref"),
-            (critic, "ppo_micro_batch_size", critic, critic_ranks, "critic"),
-            (critic, "forward_micro_batch_size", critic, critic_ranks, "critic"),
-            (cfg.reward_model, "micro_batch_size", cfg.reward_model, critic_ranks, "reward_model")]
-    for section, name, role, ranks, where in jobs:
-        value = getattr(section, name)
-        if value is None:
-            continue
-        dp = role.parallel_dims(ranks).dp_size  # the rollout's log-prob pass runs on the actor's layout
-        if value < dp:
-            raise ConfigError(f"{where}.{name}={value} (global) is less than one row for each of the {dp} "
-                              f"data-parallel ranks; set {where}.{name}_per_gpu instead (e.g. 1)")
-        override(section, f"{name}_per_gpu", value // dp, f"{where}.{name}_per_gpu",
-                 f"{where}.{name}={value} (veRL's global form) divided by {dp} data-parallel ranks")
-        setattr(section, name, None)
-
-
-def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(actor pool size, critic pool size) for the placement."""
-    if cfg.trainer.placement == "colocate":
-        return world_size, world_size
-    if world_size < 2:
-        raise ConfigError('trainer.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
-    actor = cfg.trainer.actor_pool_size or world_size // 2
-    if not 0 < actor < world_size:
-        raise ConfigError(f"trainer.actor_pool_size={cfg.trainer.actor_pool_size} must leave ranks for the critic "
-                         f"(1..{world_size - 1}) with {world_size} ranks")
-    return actor, world_size - actor
+    # ppo_mini_batch_size against the batch and the layouts: the run plan (tinyzero.plan)
 
 
 def check_model_context(cfg: Config, max_position_embeddings: int) -> None:

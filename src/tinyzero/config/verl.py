@@ -313,7 +313,6 @@ KEYS: dict[str, Rule] = {
     # ---- critic
     "critic.strategy": _convert(_strategy("critic"), "FSDP2"),
     "critic.enable": _ignore("the critic is trained when algorithm.adv_estimator needs one (gae)"),
-    "critic.rollout_n": _ignore(FOLLOWS + " (actor_rollout_ref.rollout.n)"),
     "critic.data_loader_seed": _rename("critic.seed"),
     "critic.model.fsdp_config.*": _rename("critic.fsdp_config.*", "tinyzero's critic has its fsdp_config beside "
                                           "its model"),

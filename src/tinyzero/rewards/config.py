@@ -14,7 +14,7 @@ The older `reward.custom_fn=path/to/file.py:name` keeps working (positional call
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from tinyzero.rewards.sandbox_config import SandboxConfig
 
@@ -146,7 +146,7 @@ class CustomRewardFunctionConfig:
     name: str = "compute_score"
     """Name of the function in `path`."""
 
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of every call (veRL: custom_reward_function.reward_kwargs); they win
     over the call's own arguments of the same name."""
 

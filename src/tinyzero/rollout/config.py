@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from tinyzero.agent.config import MultiTurnConfig
-from tinyzero.rollout.engine import check_sampling, engine_names, resolve_auto
+from tinyzero.rollout.engine import check_sampling, engine_names
 
 DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 NATIVE_IMPLS = ("auto", "fused", "hf")
@@ -39,7 +39,8 @@ class RolloutConfig:
     name: str = "native"
     """Engine: "native" (torch only, CPU and GPU), "vllm" (in-process vLLM), any other registered engine
     (rollout/engine.py), or "auto": vLLM where it imports (a tested version) and a GPU is present, else
-    native; resolved when the config is built, with a one-line notice."""
+    native (native under trainer.device=cpu); resolved once at start-up by the run plan (tinyzero.plan),
+    with a one-line notice."""
     n: int = 1
     """Responses sampled per prompt (GRPO / RLOO group size)."""
     temperature: float = 1.0
@@ -163,10 +164,6 @@ class RolloutConfig:
             self.val_kwargs = ValKwargs(**self.val_kwargs)
         if isinstance(self.multi_turn, dict):
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
-        if self.name == "auto":
-            from tinyzero.distributed import get_rank
-
-            self.name = resolve_auto(print if get_rank() == 0 else None)
         if self.name not in engine_names():
             raise ValueError(f"rollout.name={self.name!r} is not one of {engine_names()}")
         check_sampling("rollout.", self.temperature, self.top_p, self.top_k, self.n)

@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 
 from tinyzero.algorithms.rollout_correction import seq_mis_keep
-from tinyzero.distributed.parallel_dims import LayoutError
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.weight_bridge import BridgeSource, announce, open_bridge
 from tinyzero.single_controller import (
@@ -67,7 +66,6 @@ from tinyzero.trainer.checkpoint import save_trainer_state
 from tinyzero.trainer.loop import pop_metrics
 from tinyzero.trainer.metrics import timer
 from tinyzero.trainer.ppo import GEN_KEYS, GEN_NON_TENSOR_KEYS, PPOTrainer
-from tinyzero.workers.config import rollout_dims
 
 
 @dataclass
@@ -81,44 +79,21 @@ class Flight:
     cursor: dict        # the data loader's state before this batch was drawn
 
 
-def pool_ranks(cfg, world_size: int) -> tuple[list[int], list[int]]:
-    """(trainer pool ranks, rollout pool ranks): the rollout pool is the last rollout_pool_size ranks."""
-    from tinyzero.config import ConfigError
-
-    size = cfg.trainer.rollout_pool_size or world_size // 2
-    if not 0 < size < world_size:
-        raise ConfigError(f"trainer.rollout_pool_size={cfg.trainer.rollout_pool_size} must leave ranks for the trainer "
-                          f"pool (1..{world_size - 1}) with {world_size} ranks; the pipeline needs >= 2 ranks")
-    try:
-        rollout_dims(cfg.actor_rollout_ref.rollout, size).check_rows(
-            cfg.data.train_batch_size, f"data.train_batch_size on trainer.rollout_pool_size={size} ranks",
-            "data.train_batch_size")
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-    trainer = world_size - size
-    return list(range(trainer)), list(range(trainer, world_size))
-
-
-def build_async_roles(cfg, world_size: int):
+def build_async_roles(plan):
     """(Roles on the trainer pool, the rollout WorkerGroup, the bridge ranks); opens the bridge group."""
-    from tinyzero.trainer.builder import Roles
+    from tinyzero.trainer.builder import Roles, role_classes
     from tinyzero.workers.actor_worker import ActorRolloutRefWorker
-    from tinyzero.workers.critic_worker import CriticWorker
-    from tinyzero.workers.reward_model import RewardModelWorker
 
-    trainer_ranks, rollout_ranks = pool_ranks(cfg, world_size)
-    classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref,
-                                                  "actor_ref" if cfg.use_reference else "actor")}
-    if cfg.use_critic:
-        classes["critic"] = ClassWithInitArgs(CriticWorker, cfg.critic)
-    if cfg.reward_model.enable:
-        classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
+    cfg = plan.config
+    trainer_ranks, rollout_ranks = list(plan.pools["actor"]), list(plan.pools["rollout"])
+    classes = role_classes(plan, "actor_ref" if cfg.use_reference else "actor")
     trainer_pool = ResourcePool(ranks=trainer_ranks, name="trainer")
     rollout_pool = ResourcePool(ranks=rollout_ranks, name="rollout")
     wgs = WorkerGroup(resource_pool=trainer_pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
         prefix_set=set(classes))
     rollout = WorkerGroup(resource_pool=rollout_pool,
-                          cls_with_init=ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, "rollout"))
+                          cls_with_init=ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, "rollout",
+                                                          dims={"rollout": plan.dims["rollout"]}))
     bridge = [trainer_ranks[0], *rollout_ranks]
     open_bridge(bridge)
     for name in ("critic", "reward_model", "actor_rollout"):
@@ -132,10 +107,8 @@ def build_async_roles(cfg, world_size: int):
         worker.rollout = PartialRollout(worker.rollout, cfg.trainer.partial_rollout_chunk,
                                         BridgeSource(bridge, worker.device))
     flush_pending()  # deliver the init results now: nothing may be left crossing pools before the first sync
-    arr = cfg.actor_rollout_ref
     roles = Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
-                  actor_rollout_dp_size=arr.actor.parallel_dims(len(trainer_ranks)).dp_size,
-                  rollout_dp_size=rollout_dims(arr.rollout, len(rollout_ranks)).dp_size)
+                  actor_rollout_dp_size=plan.dims["actor"].dp_size, rollout_dp_size=plan.dims["rollout"].dp_size)
     return roles, rollout, bridge
 
 

@@ -12,12 +12,11 @@ the policy's log-probs and update (PPOTrainer.forward_passes / update_models).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from tinyzero.config import Config, ConfigError, check_model_context, pool_sizes, sync_derived_fields
+from tinyzero.config import Config
 from tinyzero.data import RLHFDataset
 from tinyzero.distributed import get_device, get_world_size
-from tinyzero.models.loading import load_hf_config
+from tinyzero.plan import RunPlan
 from tinyzero.rewards.manager import RewardManager
 from tinyzero.single_controller import (
     ClassWithInitArgs,
@@ -26,9 +25,8 @@ from tinyzero.single_controller import (
     create_colocated_worker_cls,
 )
 from tinyzero.trainer.ppo import PPOTrainer
-from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
+from tinyzero.trainer.setup import make_tracker, plan_and_check, prepare_run, write_run_config
 from tinyzero.workers.actor_worker import ActorRolloutRefWorker
-from tinyzero.workers.config import rollout_dims
 from tinyzero.workers.critic_worker import CriticWorker
 from tinyzero.workers.reward_model import RewardModelWorker
 
@@ -37,82 +35,54 @@ from tinyzero.workers.reward_model import RewardModelWorker
 class Roles:
     """The worker groups a PPO step calls (critic / reward_model are None when not used)."""
 
-    actor_rollout: Any
-    critic: Any
-    reward_model: Any
+    actor_rollout: WorkerGroup
+    critic: WorkerGroup | None
+    reward_model: WorkerGroup | None
     actor_rollout_dp_size: int
     rollout_dp_size: int
 
 
-def build_roles(cfg: Config, world_size: int) -> Roles:
+def role_classes(plan: RunPlan, policy_role: str) -> dict[str, ClassWithInitArgs]:
+    """Each role's worker class with its section of the resolved config and its layout from the plan."""
+    cfg = plan.config
+    policy_dims = {k: plan.dims[k] for k in ("actor", "ref", "rollout") if k in plan.dims}
+    classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, policy_role,
+                                                  dims=policy_dims,
+                                                  rows_per_mini_batch=plan.rows_per_mini_batch["actor"])}
+    if "critic" in plan.dims:
+        classes["critic"] = ClassWithInitArgs(CriticWorker, cfg.critic, dims=plan.dims["critic"],
+                                              rows_per_mini_batch=plan.rows_per_mini_batch["critic"])
+    if "reward_model" in plan.dims:
+        classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model, dims=plan.dims["reward_model"])
+    return classes
+
+
+def build_roles(plan: RunPlan) -> Roles:
     """Create the pools and worker groups and initialise their models (critic and RM first, policy last)."""
-    actor_ranks, _ = pool_sizes(cfg, world_size)
-    arr_role = "actor_rollout_ref" if cfg.use_reference else "actor_rollout"
-    policy = ClassWithInitArgs(ActorRolloutRefWorker, cfg.actor_rollout_ref, arr_role)
-    others = {}
-    if cfg.use_critic:
-        others["critic"] = ClassWithInitArgs(CriticWorker, cfg.critic)
-    if cfg.reward_model.enable:
-        others["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model)
+    cfg = plan.config
+    classes = role_classes(plan, "actor_rollout_ref" if cfg.use_reference else "actor_rollout")
     if cfg.trainer.placement == "colocate":
-        pool = ResourcePool(ranks=list(range(world_size)))
-        classes = {"actor_rollout": policy, **others}
+        pool = ResourcePool(ranks=list(plan.pools["actor"]))
         wgs = WorkerGroup(resource_pool=pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
             prefix_set=set(classes))
     else:
-        policy_pool = ResourcePool(ranks=list(range(actor_ranks)))
-        other_pool = ResourcePool(ranks=list(range(actor_ranks, world_size)))
-        wgs = {"actor_rollout": WorkerGroup(resource_pool=policy_pool, cls_with_init=policy)}
-        for name, cls in others.items():
-            wgs[name] = WorkerGroup(resource_pool=other_pool, cls_with_init=cls)
+        policy = classes.pop("actor_rollout")
+        wgs = {"actor_rollout": WorkerGroup(resource_pool=ResourcePool(ranks=list(plan.pools["actor"])),
+                                            cls_with_init=policy)}
+        for name, cls in classes.items():
+            wgs[name] = WorkerGroup(resource_pool=ResourcePool(ranks=list(plan.pools[name])), cls_with_init=cls)
     for name in ("critic", "reward_model", "actor_rollout"):
         if name in wgs:
             wgs[name].init_model()
-    arr = cfg.actor_rollout_ref
     return Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
-                 actor_rollout_dp_size=arr.actor.parallel_dims(actor_ranks).dp_size,
-                 rollout_dp_size=rollout_dims(arr.rollout, actor_ranks).dp_size)
-
-
-def prepare_config(cfg: Config, world_size: int):
-    """Start-up checks that need the world size and the model's config; returns the model's HF config."""
-    sync_derived_fields(cfg)
-    check_inputs(cfg, world_size)
-    model = cfg.actor_rollout_ref.model
-    hf_config = load_hf_config(model.path, model.trust_remote_code, model.override_config)
-    max_pos = getattr(hf_config, "max_position_embeddings", None)
-    if max_pos:
-        check_model_context(cfg, int(max_pos))
-    check_model_layouts(cfg, world_size, hf_config)
-    return hf_config
-
-
-def check_model_layouts(cfg: Config, world_size: int, hf_config) -> None:
-    """Each role's tensor / sequence parallel degrees must split the model's heads and sizes; checked
-    before anything starts, with the setting to change. (The critic starts from the same model.)"""
-    from tinyzero.models.tensor_parallel import check_tensor_parallel
-    from tinyzero.models.ulysses import check_heads
-
-    arr = cfg.actor_rollout_ref
-    actor_ranks, critic_ranks = pool_sizes(cfg, world_size)
-    roles = [(arr.actor, actor_ranks)] + [(arr.ref, actor_ranks)] * cfg.use_reference
-    roles += [(cfg.critic, critic_ranks)] * cfg.use_critic
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    for section, ranks in roles:
-        dims = section.parallel_dims(ranks)
-        try:
-            check_tensor_parallel(hf_config, dims.tp, f"{dims.section}.tensor_model_parallel_size")
-            if dims.sp > 1:
-                check_heads(heads // dims.tp, max(kv_heads // dims.tp, 1), dims.sp)
-        except ValueError as e:
-            raise ConfigError(f"{dims.section}: {e}") from None
+                 actor_rollout_dp_size=plan.dims["actor"].dp_size, rollout_dp_size=plan.dims["rollout"].dp_size)
 
 
 def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     """Everything a PPO run needs, on every rank (SPMD), after init_distributed()."""
     world_size = get_world_size()
-    hf_config = prepare_config(cfg, world_size)
+    plan = plan_and_check(cfg, world_size)
+    user_cfg, cfg = cfg, plan.config  # the roles run the resolved copy; config.yaml keeps what the user wrote
     run = prepare_run(cfg, RLHFDataset, {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim,
                                          "critic.optim": cfg.critic.optim})
     reward_args = (cfg.reward, cfg.custom_reward_function, cfg.reward_model.reward_manager,
@@ -120,19 +90,19 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     reward_fn = RewardManager(run.tokenizer, *reward_args)
     reward_fn.check_data_sources(_data_sources(run.train_dataset, run.val_dataset))
     val_reward_fn = RewardManager(run.tokenizer, *reward_args)
-    run_dir = write_run_config(cfg)
+    run_dir = write_run_config(user_cfg, plan)
     trainer_cls, extra = PPOTrainer, {}
-    if cfg.trainer.max_staleness or cfg.trainer.rollout_pool_size:  # rollout on its own pool, ahead of training
+    if plan.asynchronous:  # rollout on its own pool, ahead of training
         from tinyzero.trainer.async_pipeline import AsyncPPOTrainer, build_async_roles
 
-        roles, rollout, bridge = build_async_roles(cfg, world_size)
+        roles, rollout, bridge = build_async_roles(plan)
         trainer_cls, extra = AsyncPPOTrainer, {"rollout": rollout, "bridge_ranks": bridge}
     else:
-        roles = build_roles(cfg, world_size)
+        roles = build_roles(plan)
     tracker = make_tracker(cfg, run_dir, run.total_steps)
     trainer = trainer_cls(cfg, roles, run.tokenizer, run.train_loader, run.val_dataset, reward_fn, val_reward_fn,
                           tracker, run.total_steps, world_size, get_device(), **extra)
-    trainer.hf_config = hf_config
+    trainer.hf_config = plan.hf_config
     return trainer
 
 

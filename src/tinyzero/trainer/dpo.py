@@ -46,7 +46,7 @@ from tinyzero.single_controller import (
 )
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.loop import pop_metrics
-from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
+from tinyzero.trainer.setup import make_tracker, plan_and_check, prepare_run, write_run_config
 from tinyzero.trainer.sft import SupervisedTrainer
 from tinyzero.workers.actor_worker import ActorRolloutRefWorker
 
@@ -182,7 +182,8 @@ def check_dpo_config(cfg: Config, world_size: int) -> None:
 def build_dpo_trainer(cfg: Config) -> DPOTrainer:
     """Datasets, the colocated actor + reference groups, loggers; every rank."""
     world_size = get_world_size()
-    check_inputs(cfg, world_size)
+    plan = plan_and_check(cfg, world_size)
+    user_cfg, cfg = cfg, plan.config  # the DPO settings below go into the resolved copy
     check_dpo_config(cfg, world_size)
     arr = cfg.actor_rollout_ref
     # every row counts once, so micro-batch shares are pair shares; the registry entry says so too
@@ -194,10 +195,11 @@ def build_dpo_trainer(cfg: Config) -> DPOTrainer:
         override(obj, name, new, field, why)
 
     run = prepare_run(cfg, PairwiseDataset, {"actor_rollout_ref.actor.optim": arr.actor.optim})
-    run_dir = write_run_config(cfg)
-    classes = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, "actor"),
-               "ref": ClassWithInitArgs(ActorRolloutRefWorker, arr, "ref")}
-    pool = ResourcePool(ranks=list(range(world_size)))
+    run_dir = write_run_config(user_cfg, plan)
+    dims = {"actor": plan.dims["actor"], "ref": plan.dims["ref"]}
+    classes = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, "actor", dims=dims),
+               "ref": ClassWithInitArgs(ActorRolloutRefWorker, arr, "ref", dims=dims)}
+    pool = ResourcePool(ranks=list(plan.pools["actor"]))
     wgs = WorkerGroup(resource_pool=pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
         prefix_set=set(classes))
     wgs["ref"].init_model()

@@ -1,8 +1,9 @@
 """The start-up every trainer shares: input checks, tokenizer, datasets, step count, run folder, tracker.
 
-    check_inputs(cfg, world_size)                          # world, model folder, data files
+    plan = plan_and_check(cfg, world_size)                 # layouts, batch sizes, model folder, data files
+    cfg = plan.config                                      # the user's config with the derived values
     run = prepare_run(cfg, RLHFDataset, {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim})
-    run_dir = write_run_config(cfg)                        # after the last check, before any role starts
+    run_dir = write_run_config(user_cfg, plan)             # after the last check, before any role starts
     ...                                                    # the trainer's worker groups
     tracker = make_tracker(cfg, run_dir, run.total_steps)
 
@@ -17,12 +18,13 @@ from typing import Any
 
 import torch
 
-from tinyzero.config import Config, ConfigError, check_world
+from tinyzero.config import Config, ConfigError
 from tinyzero.config.overrides import override
 from tinyzero.config.parse import to_dict
 from tinyzero.data import StatefulDataLoader
 from tinyzero.distributed import get_rank, get_world_size, is_distributed, spans_nodes
-from tinyzero.models.loading import check_model_path, load_tokenizer
+from tinyzero.models.loading import check_model_path, load_hf_config, load_tokenizer
+from tinyzero.plan import RunPlan, plan_run, with_model
 from tinyzero.trainer.checkpoint import CheckpointManager
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.run_config import write_config
@@ -40,9 +42,19 @@ class RunInputs:
     total_steps: int
 
 
-def check_inputs(cfg: Config, world_size: int) -> None:
-    """Checks every trainer runs before loading anything: world-size rules, the model folder, the data files."""
-    check_world(cfg, world_size)
+def plan_and_check(cfg: Config, world_size: int, read_model: bool = True) -> RunPlan:
+    """The run plan (every layout and batch-size rule, tinyzero.plan), then the inputs every trainer needs
+    before loading anything: the model folder and the data files. Returns the plan."""
+    plan = plan_run(cfg, world_size)  # config errors first: they need nothing on disk
+    check_inputs(plan.config)
+    if read_model:
+        model = plan.config.actor_rollout_ref.model
+        plan = with_model(plan, load_hf_config(model.path, model.trust_remote_code, model.override_config))
+    return plan
+
+
+def check_inputs(cfg: Config) -> None:
+    """The model folder and the data files exist."""
     check_model_path(cfg.actor_rollout_ref.model.path)
     # A missing file is reported by every rank that misses it (nodes may differ), not as a config error.
     for name, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -81,8 +93,9 @@ def prepare_run(cfg: Config, dataset_cls, optims: dict) -> RunInputs:
     return RunInputs(tokenizer, train_ds, val_ds, loader, total)
 
 
-def write_run_config(cfg: Config) -> str:
-    """Create the run folder and write the resolved config.yaml (rank 0); returns the folder.
+def write_run_config(cfg: Config, plan: RunPlan | None = None) -> str:
+    """Create the run folder and write config.yaml (the user's config, as asked for) and plan.yaml (what
+    the run derived from it) on rank 0; returns the folder.
 
     A resume whose config changes the training is refused on every rank (trainer.run_config). A job on
     several nodes first checks that every rank sees one checkpoint folder (trainer.storage_check).
@@ -94,6 +107,8 @@ def write_run_config(cfg: Config) -> str:
     if get_rank() == 0:
         try:
             write_config(cfg, run_dir, _resumed_config_path(cfg))
+            if plan is not None:
+                write_plan(plan, run_dir)
         except ConfigError as e:
             error[0] = str(e)
     if is_distributed() and get_world_size() > 1:
@@ -101,6 +116,17 @@ def write_run_config(cfg: Config) -> str:
     if error[0] is not None:
         raise ConfigError(error[0])
     return run_dir
+
+
+def write_plan(plan: RunPlan, run_dir: str) -> None:
+    """RUN/plan.yaml: the pools, layouts, engine and batch shares the run derived (written atomically)."""
+    import yaml
+
+    path = os.path.join(run_dir, "plan.yaml")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(plan.summary(), f, sort_keys=False, default_flow_style=None)
+    os.replace(tmp, path)
 
 
 def _resumed_config_path(cfg: Config) -> str | None:

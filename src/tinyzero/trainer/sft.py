@@ -18,7 +18,7 @@ from tinyzero.single_controller import ClassWithInitArgs, ResourcePool, WorkerGr
 from tinyzero.trainer.loggers import Tracking
 from tinyzero.trainer.loop import Driver, pop_metrics
 from tinyzero.trainer.metrics import timer
-from tinyzero.trainer.setup import check_inputs, make_tracker, prepare_run, write_run_config
+from tinyzero.trainer.setup import make_tracker, plan_and_check, prepare_run, write_run_config
 from tinyzero.workers.supervised import SupervisedWorker
 
 
@@ -77,12 +77,13 @@ class SupervisedTrainer(Driver):
 def build_supervised_trainer(cfg: Config, mode: str, dataset_cls) -> SupervisedTrainer:
     """Datasets, the worker group (mode "sft" or "rm"), loggers; every rank."""
     world_size = get_world_size()
-    check_inputs(cfg, world_size)
+    plan = plan_and_check(cfg, world_size)
+    user_cfg, cfg = cfg, plan.config
     arr = cfg.actor_rollout_ref
     run = prepare_run(cfg, dataset_cls, {"actor_rollout_ref.actor.optim": arr.actor.optim})
-    run_dir = write_run_config(cfg)
-    wg = WorkerGroup(resource_pool=ResourcePool(ranks=list(range(world_size))),
-                     cls_with_init=ClassWithInitArgs(SupervisedWorker, arr, mode))
+    run_dir = write_run_config(user_cfg, plan)
+    wg = WorkerGroup(resource_pool=ResourcePool(ranks=list(plan.pools["actor"])),
+                     cls_with_init=ClassWithInitArgs(SupervisedWorker, arr, mode, dims=plan.dims["actor"]))
     wg.init_model()
     tracker = make_tracker(cfg, run_dir, run.total_steps)
     return SupervisedTrainer(cfg, wg, run.train_loader, run.val_dataset, tracker, run.total_steps)

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 
+from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
@@ -39,7 +40,7 @@ from tinyzero.workers.common import (
     peak_memory_gb,
     response_mask_of,
 )
-from tinyzero.workers.config import ActorRolloutRefConfig, rollout_dims
+from tinyzero.workers.config import ActorRolloutRefConfig, policy_layouts
 from tinyzero.workers.forward import attach_log_prob_method
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
 from tinyzero.workers.packing import packing_mode, prepare_attention
@@ -52,7 +53,10 @@ ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor
 class ActorRolloutRefWorker(Worker):
     """Actor (PPO update), rollout (generation) and reference (frozen log-probs) of the policy."""
 
-    def __init__(self, config: ActorRolloutRefConfig, role: str):
+    def __init__(self, config: ActorRolloutRefConfig, role: str, dims: dict[str, ParallelDims] | None = None,
+                 rows_per_mini_batch: int | None = None):
+        """`dims` (the layouts of the roles this worker holds) and `rows_per_mini_batch` come from the run
+        plan (tinyzero.plan); a worker built outside a run derives them from `config` on its pool."""
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"role={role!r} is unknown; use one of {list(ROLES)}")
@@ -61,19 +65,16 @@ class ActorRolloutRefWorker(Worker):
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref", "actor_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref", "actor_ref")
-        # One layout per role (tinyzero.distributed.parallel_dims); each registers the data-parallel rank its methods dispatch by.
-        self.dims = {}
-        if self._is_actor:
-            self.dims["actor"] = config.actor.parallel_dims(self.world_size)
-        if self._is_ref:  # with LoRA the reference is the actor's model, adapters off: the actor's layout
-            shared = self._is_actor and config.model.lora_rank
-            self.dims["ref"] = self.dims["actor"] if shared else config.ref.parallel_dims(self.world_size)
-        if self._is_rollout:
-            # Ranks of one tensor-parallel group generate from the same prompts; the first one reports.
-            self.dims["rollout"] = rollout_dims(config.rollout, self.world_size)
+        # One layout per role; each registers the data-parallel rank its methods dispatch by. Ranks of
+        # one rollout tensor-parallel group generate from the same prompts; the first one reports.
+        mine = policy_layouts(config, self.world_size, role) if dims is None else dims
+        self.dims = {name: mine[name] for name in ("actor", "ref", "rollout")
+                     if name in mine and getattr(self, f"_is_{name}")}
         for name, dims in self.dims.items():
             self._register_dispatch_collect_info(name, dims.dp_rank(self.rank), dims.is_collect(self.rank))
-        self.rows_per_mini_batch = self._rows_per_mini_batch() if self._is_actor else 0
+        if rows_per_mini_batch is None:
+            rows_per_mini_batch = self._rows_per_mini_batch() if self._is_actor else 0
+        self.rows_per_mini_batch = rows_per_mini_batch
         self.actor: PPOActor | None = None
         self.ref: PPOActor | None = None
         self.rollout = None

@@ -10,7 +10,7 @@ the data-parallel size); every `*_per_gpu` size counts rows on one rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
 from tinyzero.algorithms import LOSS_AGG_MODES
@@ -73,6 +73,29 @@ def rollout_dims(rollout: RolloutConfig, pool_size: int) -> ParallelDims:
     """The rollout engines' layout: tensor-parallel groups of consecutive ranks, one data chunk each."""
     return ParallelDims.for_role(pool_size, tp=rollout.tensor_model_parallel_size,
                                  section="actor_rollout_ref.rollout")
+
+
+def role_layout(section: HasLayout, pool_size: int) -> ParallelDims:
+    """A trained or frozen role's layout (actor, reference, critic, reward model) on a pool of `pool_size`."""
+    return section.parallel_dims(pool_size)
+
+
+def policy_layouts(config: ActorRolloutRefConfig, pool_size: int, role: str) -> dict[str, ParallelDims]:
+    """The layouts of the policy roles a worker of `role` holds ("actor", "ref", "rollout"), on a pool of
+    `pool_size` ranks. With LoRA the reference is the actor's own model with the adapters off, so it
+    shares the actor's layout. The run plan calls this once per pool (tinyzero.plan); a worker built
+    outside a run (tests, notebooks) calls it itself."""
+    is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref", "actor_ref")
+    is_ref = role in ("ref", "actor_rollout_ref", "actor_ref")
+    is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+    dims = {}
+    if is_actor:
+        dims["actor"] = role_layout(config.actor, pool_size)
+    if is_ref:
+        dims["ref"] = dims["actor"] if is_actor and config.model.lora_rank else role_layout(config.ref, pool_size)
+    if is_rollout:
+        dims["rollout"] = rollout_dims(config.rollout, pool_size)
+    return dims
 
 
 def _check_contents(name: str, contents: list[str]) -> None:
@@ -406,7 +429,7 @@ class RewardModelConfig(HasLayout):
     naive (one call per sample), batch (one call with lists; needs custom_reward_function.path), dapo
     (trailing eos text removed, overlong_buffer_cfg), prime (positional calls, a tuple's first element is
     the score). See tinyzero.rewards.manager."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the reward manager (veRL: reward_model.reward_kwargs): the batch function's
     extra arguments, or dapo's overlong_buffer_cfg (enable, len, penalty_factor, log) and max_resp_len."""
 

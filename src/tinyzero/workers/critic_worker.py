@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
 from tinyzero.workers.common import load_role_model, offload_after_init, on_device, peak_memory_gb
-from tinyzero.workers.config import CriticConfig
+from tinyzero.workers.config import CriticConfig, role_layout
 from tinyzero.workers.critic import PPOCritic
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
 from tinyzero.workers.packing import packing_mode, prepare_attention
@@ -24,16 +25,20 @@ from tinyzero.workers.packing import packing_mode, prepare_attention
 class CriticWorker(Worker):
     """Values and value-loss updates of the PPO critic."""
 
-    def __init__(self, config: CriticConfig):
+    def __init__(self, config: CriticConfig, dims: ParallelDims | None = None, rows_per_mini_batch: int | None = None):
+        """`dims` and `rows_per_mini_batch` come from the run plan (tinyzero.plan); a worker built outside a
+        run derives them from `config` on its pool."""
         super().__init__()
         self.config = config
-        self.dims = config.parallel_dims(self.world_size)
+        self.dims = role_layout(config, self.world_size) if dims is None else dims
         self._register_dispatch_collect_info("critic", self.dims.dp_rank(self.rank), self.dims.is_collect(self.rank))
-        # Any micro-batch size works (exact scaling); a mini-batch must split over the data-parallel ranks.
-        if config.ppo_mini_batch_size is None:
-            raise ValueError("critic.ppo_mini_batch_size is None: set it (the trainer fills it from "
-                             "actor_rollout_ref.actor.ppo_mini_batch_size)")
-        self.rows_per_mini_batch = self.dims.rows_per_rank(config.ppo_mini_batch_size, config.rollout_n)
+        if rows_per_mini_batch is None:
+            if config.ppo_mini_batch_size is None:
+                raise ValueError("critic.ppo_mini_batch_size is None: set it (the trainer fills it from "
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size)")
+            # Any micro-batch size works (exact scaling); a mini-batch must split over the data-parallel ranks.
+            rows_per_mini_batch = self.dims.rows_per_rank(config.ppo_mini_batch_size, config.rollout_n)
+        self.rows_per_mini_batch = rows_per_mini_batch
         self.critic: PPOCritic | None = None
         self.tokenizer = None
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers.batching import make_micro_batches, restore_order
 from tinyzero.workers.common import load_role_model, offload_after_init, on_device, reshard, response_mask_of
-from tinyzero.workers.config import RewardModelConfig
+from tinyzero.workers.config import RewardModelConfig, role_layout
 from tinyzero.workers.forward import attach_score_method
 
 
@@ -64,9 +65,11 @@ def retokenize(data: DataProto, src, dst, max_length: int | None = None) -> Data
 class RewardModelWorker(Worker):
     """Scores from a learned reward model, sharded with FSDP2 over the pool."""
 
-    def __init__(self, config: RewardModelConfig):
+    def __init__(self, config: RewardModelConfig, dims: ParallelDims | None = None):
+        """`dims` comes from the run plan (tinyzero.plan); a worker built outside a run derives it."""
         super().__init__()
         self.config = config
+        self.dims = role_layout(config, self.world_size) if dims is None else dims
         self.model = None
         self.tokenizer = None
         self.input_tokenizer = None
@@ -79,7 +82,7 @@ class RewardModelWorker(Worker):
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         if cfg.input_tokenizer:
             self.input_tokenizer = load_tokenizer(cfg.input_tokenizer, cfg.model.trust_remote_code)
-        model = load_role_model(self, cfg.model, cfg.fsdp_config, cfg.parallel_dims(self.world_size), "reward",
+        model = load_role_model(self, cfg.model, cfg.fsdp_config, self.dims, "reward",
                                 trainable=False)
         model.requires_grad_(False)
         self.model = attach_score_method(model)

@@ -17,10 +17,12 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
 from tinyzero.workers.common import load_role_model, reshard
+from tinyzero.workers.config import role_layout
 from tinyzero.workers.forward import attach_log_prob_method, pack_batch, response_log_probs
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
 from tinyzero.workers.packing import packing_mode, prepare_attention
@@ -90,11 +92,14 @@ LOSSES = {"sft": (sft_loss_sums, sft_count, "causal_lm"), "rm": (rm_loss_sums, r
 class SupervisedWorker(Worker):
     """One trainable model and a loss from LOSSES; the model/optim/fsdp settings of actor_rollout_ref."""
 
-    def __init__(self, config, mode: str):
+    def __init__(self, config, mode: str, dims: ParallelDims | None = None):
+        """`dims` comes from the run plan (tinyzero.plan), which also checks that it is data-parallel only;
+        a worker built outside a run derives it from the actor's settings."""
         super().__init__()
         if mode not in LOSSES:
             raise ValueError(f"mode={mode!r}: use one of {sorted(LOSSES)}")
         self.config = config
+        self.dims = role_layout(config.actor, self.world_size) if dims is None else dims
         self.mode = mode
         self.loss_fn, self.count_fn, self.kind = LOSSES[mode]
         self.model = self.optimizer = self.lr_scheduler = self.tokenizer = None
@@ -108,12 +113,7 @@ class SupervisedWorker(Worker):
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         fsdp = cfg.actor.fsdp_config
-        dims = cfg.actor.parallel_dims(self.world_size)
-        if dims.tp > 1 or dims.sp > 1:
-            raise ValueError(f"trainer.mode={self.mode} trains data-parallel only; set "
-                             "actor_rollout_ref.actor.tensor_model_parallel_size and ulysses_sequence_parallel_size "
-                             "to 1 (tensor and sequence parallelism apply to the PPO roles)")
-        self.model = load_role_model(self, cfg.model, fsdp, dims, self.kind)
+        self.model = load_role_model(self, cfg.model, fsdp, self.dims, self.kind)
         if self.mode == "sft":
             # Packing applies to SFT's log-probs; the reward model's scores stay padded.
             self.packing = "remove_padding" if packing_mode(cfg.model) != "none" else "none"

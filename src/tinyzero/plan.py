@@ -1,0 +1,305 @@
+"""The run plan: what a run derives from the user's config and the world, computed and checked once.
+
+    plan = plan_run(cfg, world_size)       # every rank, after init_distributed(); before any role starts
+    plan = with_model(plan, hf_config)     # checked against the policy model (context, heads)
+    plan.config                            # what the roles run: a copy of the user's config with the
+                                           # derived values filled in (lengths, the critic's sizes, ...)
+    plan.pools["critic"]                   # each role's ranks
+    plan.dims["actor"]                     # each role's ParallelDims
+    plan.rows_per_mini_batch["actor"]      # rows per data-parallel rank per PPO mini-batch
+    plan.engine                            # what rollout.name="auto" resolved to (said once, on rank 0)
+
+Every layout and batch-size check runs here, with the setting to change in its message; the trainers
+and workers receive what they need from the plan and rebuild nothing. The user's config object is
+never written: config.yaml in the run folder holds what the user asked for, plan.yaml beside it
+what the run derived from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinyzero.config import Config, ConfigError, TrainerConfig, check_config, check_model_context
+from tinyzero.distributed.parallel_dims import LayoutError, ParallelDims
+from tinyzero.workers.config import policy_layouts, role_layout
+
+__all__ = ["RunPlan", "plan_run", "with_model"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything derived from the user's config and the world size (see the module docstring)."""
+
+    world_size: int
+    config: Config
+    """The config the roles run: the user's, with the derived values filled in (never the user's object)."""
+    pools: dict[str, tuple[int, ...]]
+    """Role -> the global ranks of its pool ("actor" also holds the rollout and the reference unless the
+    asynchronous pipeline gives the rollout a pool of its own)."""
+    dims: dict[str, ParallelDims]
+    """Role -> its layout on its pool (only the roles the run uses)."""
+    rows_per_mini_batch: dict[str, int] = field(default_factory=dict)
+    """Trained role -> rows each data-parallel rank takes per PPO mini-batch (prompts x rollout.n / dp)."""
+    engine: str = "native"
+    """The rollout engine ("auto" resolved)."""
+    asynchronous: bool = False
+    """The rollout runs on its own pool, ahead of training (trainer.max_staleness / rollout_pool_size)."""
+    hf_config: Any = None
+    """The policy model's HF config (None when planned without reading the model)."""
+
+    def summary(self) -> dict:
+        """What the run derived, as plain values (written to plan.yaml in the run folder)."""
+        return {"world_size": self.world_size, "engine": self.engine, "asynchronous": self.asynchronous,
+                "pools": {k: list(v) for k, v in self.pools.items()},
+                "dims": {k: {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "sp": d.sp}
+                         for k, d in self.dims.items()},
+                "rows_per_mini_batch": dict(self.rows_per_mini_batch)}
+
+
+def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
+    """The plan of `cfg` on `world_size` ranks; raises ConfigError naming the setting to change.
+    `notice` gets the one line saying what rollout.name="auto" chose (None: silent). `with_model` then
+    checks the plan against the model."""
+    resolved = copy.deepcopy(cfg)
+    engine = _resolve_engine(resolved, notice)
+    sync_derived_fields(resolved)
+    check_gpus_per_node(resolved.trainer, world_size)
+    check_mini_batches(resolved)
+    if cfg.trainer.mode != "ppo":
+        return _plan_supervised(resolved, world_size)
+    arr = resolved.actor_rollout_ref
+    if arr.rollout.name == "vllm" and resolved.trainer.placement != "colocate":
+        raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
+                          "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
+    asynchronous = bool(resolved.trainer.max_staleness or resolved.trainer.rollout_pool_size)
+    if asynchronous:
+        policy, rollout = _async_pools(resolved, world_size)
+        others = policy
+    else:
+        actor_size, _ = pool_sizes(resolved, world_size)
+        policy = rollout = tuple(range(actor_size))
+        others = policy if resolved.trainer.placement == "colocate" else tuple(range(actor_size, world_size))
+    pools: dict[str, tuple[int, ...]] = {"actor": policy, "rollout": rollout}
+    n, responses = arr.rollout.n, resolved.data.train_batch_size * arr.rollout.n
+    what = "data.train_batch_size x rollout.n responses"
+    try:
+        dims = policy_layouts(arr, len(policy), "actor_ref" if resolved.use_reference else "actor")
+        dims["rollout"] = policy_layouts(arr, len(rollout), "rollout")["rollout"]
+        if resolved.use_critic:
+            pools["critic"] = others
+            dims["critic"] = role_layout(resolved.critic, len(others))
+        if resolved.reward_model.enable:
+            pools["reward_model"] = others
+            dims["reward_model"] = role_layout(resolved.reward_model, len(others))
+        convert_global_micro_batches(resolved, dims)
+        rows = {"actor": dims["actor"].rows_per_rank(arr.actor.ppo_mini_batch_size, n,
+                                                     arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.use_dynamic_bsz)}
+        for role in ("actor", "ref", "critic"):
+            if role in dims:
+                dims[role].check_rows(responses, what, "data.train_batch_size")
+        if resolved.use_critic:
+            critic = resolved.critic
+            rows["critic"] = dims["critic"].rows_per_rank(critic.ppo_mini_batch_size, n,
+                                                          critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    if resolved.use_reference:
+        pools["ref"] = policy
+    return RunPlan(world_size=world_size, config=resolved, pools=pools, dims=dims, rows_per_mini_batch=rows,
+                   engine=engine, asynchronous=asynchronous)
+
+
+def _plan_supervised(resolved: Config, world_size: int) -> RunPlan:
+    """SFT, RM and DPO: one trained model on every rank, laid out by the actor's settings (and DPO's
+    frozen reference by the reference's)."""
+    try:
+        if resolved.trainer.mode == "dpo":  # the reference model beside the actor
+            dims = policy_layouts(resolved.actor_rollout_ref, world_size, "actor_ref")
+        else:
+            dims = {"actor": role_layout(resolved.actor_rollout_ref.actor, world_size)}
+        convert_global_micro_batches(resolved, dims)
+        dims["actor"].check_rows(resolved.data.train_batch_size, "data.train_batch_size", "data.train_batch_size")
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    if dims["actor"].tp > 1 or dims["actor"].sp > 1:
+        raise ConfigError(f"trainer.mode={resolved.trainer.mode} trains data-parallel only; set "
+                          "actor_rollout_ref.actor.tensor_model_parallel_size and ulysses_sequence_parallel_size "
+                          "to 1 (tensor and sequence parallelism apply to the PPO roles)")
+    return RunPlan(world_size=world_size, config=resolved, pools={"actor": tuple(range(world_size))}, dims=dims,
+                   engine=resolved.actor_rollout_ref.rollout.name)
+
+
+def _resolve_engine(resolved: Config, notice) -> str:
+    """rollout.name="auto" -> the engine this machine runs (said once by `notice`)."""
+    rollout = resolved.actor_rollout_ref.rollout
+    if rollout.name != "auto" or resolved.trainer.mode != "ppo":
+        return rollout.name
+    from tinyzero.distributed import get_rank
+    from tinyzero.rollout.engine import resolve_auto
+
+    say = notice if get_rank() == 0 else None
+    if resolved.trainer.device == "cpu":  # the GPU a host may have is not the run's
+        rollout.name = "native"
+        if say is not None:
+            say("rollout.name=auto -> native (trainer.device=cpu)")
+    else:
+        rollout.name = resolve_auto(say)
+    check_config(resolved)  # the checks that depend on the engine, now that it is known
+    return rollout.name
+
+
+def _async_pools(resolved: Config, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(trainer pool, rollout pool) of the asynchronous pipeline: the rollout pool is the last ranks."""
+    size = resolved.trainer.rollout_pool_size or world_size // 2
+    if not 0 < size < world_size:
+        raise ConfigError(f"trainer.rollout_pool_size={resolved.trainer.rollout_pool_size} must leave ranks for the "
+                          f"trainer pool (1..{world_size - 1}) with {world_size} ranks; the pipeline needs >= 2 ranks")
+    try:
+        rollout = policy_layouts(resolved.actor_rollout_ref, size, "rollout")["rollout"]
+        rollout.check_rows(resolved.data.train_batch_size, f"data.train_batch_size on trainer.rollout_pool_size="
+                           f"{size} ranks", "data.train_batch_size")
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    trainer = world_size - size
+    return tuple(range(trainer)), tuple(range(trainer, world_size))
+
+
+def with_model(plan: RunPlan, hf_config: Any) -> RunPlan:
+    """The plan checked against the policy model's HF config, which it then carries: the context window
+    holds prompt + response, and each trained or reference role's tensor / sequence parallel degrees
+    split the model's heads and sizes (the critic starts from the same model)."""
+    _check_model(plan.config, hf_config, plan.dims)
+    return dataclasses.replace(plan, hf_config=hf_config)
+
+
+def _check_model(resolved: Config, hf_config: Any, dims: dict[str, ParallelDims]) -> None:
+    from tinyzero.models.tensor_parallel import check_tensor_parallel
+    from tinyzero.models.ulysses import check_heads
+
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if max_pos:
+        check_model_context(resolved, int(max_pos))
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for role in ("actor", "ref", "critic"):
+        d = dims.get(role)
+        if d is None:
+            continue
+        try:
+            check_tensor_parallel(hf_config, d.tp, f"{d.section}.tensor_model_parallel_size")
+            if d.sp > 1:
+                check_heads(heads // d.tp, max(kv_heads // d.tp, 1), d.sp)
+        except ValueError as e:
+            raise ConfigError(f"{d.section}: {e}") from None
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def check_mini_batches(cfg: Config) -> None:
+    """ppo_mini_batch_size (prompts per optimizer step) divides data.train_batch_size, for the actor and, with
+    a critic, the critic."""
+    if cfg.trainer.mode != "ppo":
+        return
+    minis = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.ppo_mini_batch_size)]
+    minis += [("critic", cfg.critic.ppo_mini_batch_size)] * cfg.use_critic
+    for section, mini in minis:
+        if cfg.data.train_batch_size < mini:
+            raise ConfigError(f"{section}.ppo_mini_batch_size={mini} exceeds data.train_batch_size="
+                              f"{cfg.data.train_batch_size}; lower the mini-batch size")
+        if cfg.data.train_batch_size % mini:
+            raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                              f"{section}.ppo_mini_batch_size={mini}")
+
+
+def critic_mini_batch_size(cfg: Config) -> int:
+    """critic.ppo_mini_batch_size, or the actor's when unset (veRL's default)."""
+    return cfg.critic.ppo_mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
+
+def sync_derived_fields(cfg: Config) -> Config:
+    """Copy the values one section derives from another (veRL does this with ${...} interpolation)."""
+    from tinyzero.config.overrides import override
+
+    arr = cfg.actor_rollout_ref
+    override(arr.rollout, "prompt_length", cfg.data.max_prompt_length, "actor_rollout_ref.rollout.prompt_length",
+             "it follows data.max_prompt_length (set that instead)")
+    override(arr.rollout, "response_length", cfg.data.max_response_length, "actor_rollout_ref.rollout.response_length",
+             "it follows data.max_response_length (set that instead)")
+    override(cfg.critic, "rollout_n", arr.rollout.n, "critic.rollout_n", "it follows actor_rollout_ref.rollout.n")
+    cfg.critic.ppo_mini_batch_size = critic_mini_batch_size(cfg)
+    # veRL's default: the rollout's log-prob pass batches like the actor's update unless set apart.
+    if arr.actor.use_dynamic_bsz and not arr.rollout.log_prob_use_dynamic_bsz:
+        arr.rollout.log_prob_use_dynamic_bsz = True
+        override(arr.rollout, "log_prob_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
+                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                 "the log-prob pass batches like the dynamic actor update unless "
+                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true sets it apart")
+    if not cfg.critic.model.path:
+        cfg.critic.model.path = arr.model.path
+    if not cfg.critic.model.tokenizer_path:
+        cfg.critic.model.tokenizer_path = arr.model.tokenizer_path
+    return cfg
+
+
+def check_gpus_per_node(trainer: TrainerConfig, world_size: int) -> None:
+    """veRL's trainer.n_gpus_per_node x trainer.nnodes must be the world torchrun started."""
+    if trainer.n_gpus_per_node is None and trainer.nnodes is None:
+        return
+    nnodes = trainer.nnodes or 1
+    if trainer.n_gpus_per_node is None:
+        if world_size % nnodes:
+            raise ConfigError(f"trainer.nnodes={nnodes} does not divide the torchrun world of {world_size} ranks; "
+                              f"launch with torchrun --nnodes {nnodes}, or set trainer.nnodes to the node count")
+        return
+    want = trainer.n_gpus_per_node * nnodes
+    if want != world_size:
+        raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} x trainer.nnodes={nnodes} = {want} "
+                          f"ranks, but torchrun started {world_size}; launch with torchrun --nnodes {nnodes} "
+                          f"--nproc_per_node {trainer.n_gpus_per_node}, or set trainer.n_gpus_per_node and "
+                          f"trainer.nnodes to match the torchrun world")
+
+
+def convert_global_micro_batches(cfg: Config, dims: dict[str, ParallelDims]) -> None:
+    """veRL's deprecated global micro-batch sizes become the per-GPU ones, divided by the role's data-parallel
+    size as veRL's workers divide them at start-up (the global field is then cleared)."""
+    from tinyzero.config.overrides import override
+
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    if critic.ppo_micro_batch_size is not None and critic.forward_micro_batch_size is None \
+            and critic.forward_micro_batch_size_per_gpu is None:
+        critic.forward_micro_batch_size = critic.ppo_micro_batch_size  # veRL's interpolation
+    # The rollout's log-prob pass runs on the actor's layout.
+    jobs = [(arr.actor, "ppo_micro_batch_size", "actor", "actor_rollout_ref.actor"),
+            (arr.rollout, "log_prob_micro_batch_size", "actor", "actor_rollout_ref.rollout"),
+            (arr.ref, "log_prob_micro_batch_size", "ref", "actor_rollout_ref.ref"),
+            (critic, "ppo_micro_batch_size", "critic", "critic"),
+            (critic, "forward_micro_batch_size", "critic", "critic"),
+            (cfg.reward_model, "micro_batch_size", "reward_model", "reward_model")]
+    for section, name, role, where in jobs:
+        value = getattr(section, name)
+        if value is None:
+            continue
+        dp = dims.get(role, dims["actor"]).dp_size  # a role the run does not use: converted on the actor's
+        if value < dp:
+            raise ConfigError(f"{where}.{name}={value} (global) is less than one row for each of the {dp} "
+                              f"data-parallel ranks; set {where}.{name}_per_gpu instead (e.g. 1)")
+        override(section, f"{name}_per_gpu", value // dp, f"{where}.{name}_per_gpu",
+                 f"{where}.{name}={value} (veRL's global form) divided by {dp} data-parallel ranks")
+        setattr(section, name, None)
+
+
+def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:
+    """(actor pool size, critic pool size) for the placement."""
+    if cfg.trainer.placement == "colocate":
+        return world_size, world_size
+    if world_size < 2:
+        raise ConfigError('trainer.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
+    actor = cfg.trainer.actor_pool_size or world_size // 2
+    if not 0 < actor < world_size:
+        raise ConfigError(f"trainer.actor_pool_size={cfg.trainer.actor_pool_size} must leave ranks for the critic "
+                         f"(1..{world_size - 1}) with {world_size} ranks")
+    return actor, world_size - actor

@@ -1,0 +1,93 @@
+"""The run plan (tinyzero.plan): pools, layouts, batch shares and the engine, derived once from the user's
+config and the world size, without writing to the user's config."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from tinyzero.config import Config, ConfigError
+from tinyzero.config.parse import merge_dict, to_dict
+from tinyzero.plan import plan_run
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tinyzero"
+
+
+def _cfg(values: dict) -> Config:
+    return merge_dict(Config(), values)
+
+
+def test_the_users_config_is_never_written():
+    cfg = _cfg({"algorithm": {"adv_estimator": "gae"}, "data": {"train_batch_size": 8, "max_response_length": 24},
+                "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size": 4},
+                                      "rollout": {"name": "auto"}}})
+    before = to_dict(cfg)
+    plan = plan_run(cfg, 2, notice=None)
+    assert to_dict(cfg) == before
+    resolved = plan.config
+    assert resolved is not cfg
+    assert resolved.actor_rollout_ref.rollout.response_length == 24  # follows data.max_response_length
+    assert resolved.critic.ppo_mini_batch_size == 4                   # the actor's, veRL's default
+    assert resolved.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2  # veRL's global form / dp
+    assert resolved.actor_rollout_ref.rollout.name == plan.engine != "auto"
+
+
+@pytest.mark.parametrize("placement,world,actor,critic", [("colocate", 4, (0, 1, 2, 3), (0, 1, 2, 3)),
+                                                           ("split", 4, (0, 1), (2, 3))])
+def test_pools_and_layouts(placement, world, actor, critic):
+    cfg = _cfg({"algorithm": {"adv_estimator": "gae"}, "trainer": {"placement": placement},
+                "data": {"train_batch_size": 8}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}}})
+    plan = plan_run(cfg, world, notice=None)
+    assert plan.pools["actor"] == actor and plan.pools["critic"] == critic and plan.pools["rollout"] == actor
+    assert plan.dims["actor"].world == len(actor) and plan.dims["critic"].world == len(critic)
+    # rows per data-parallel rank per mini-batch: prompts x n / dp
+    assert plan.rows_per_mini_batch["actor"] == 4 * 1 // len(actor)
+    assert "ref" not in plan.dims  # no KL: no reference
+    assert plan.summary()["pools"]["critic"] == list(critic)
+
+
+def test_asynchronous_pools():
+    cfg = _cfg({"trainer": {"rollout_pool_size": 1}, "data": {"train_batch_size": 4},
+                "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}, "rollout": {"n": 2}},
+                "algorithm": {"adv_estimator": "grpo"}})
+    plan = plan_run(cfg, 3, notice=None)
+    assert plan.asynchronous and plan.pools["actor"] == (0, 1) and plan.pools["rollout"] == (2,)
+    assert plan.dims["actor"].world == 2 and plan.dims["rollout"].world == 1
+
+
+def test_auto_engine_under_trainer_device_cpu_is_native(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host
+    said = []
+    cfg = _cfg({"trainer": {"device": "cpu"}, "actor_rollout_ref": {"rollout": {"name": "auto"}}})
+    assert plan_run(cfg, 1, notice=said.append).engine == "native"
+    assert said == ["rollout.name=auto -> native (trainer.device=cpu)"]
+
+
+def test_mini_batch_rules_name_the_setting():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.ppo_mini_batch_size=16 exceeds"):
+        plan_run(_cfg({"data": {"train_batch_size": 8}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16}}}),
+                 1, notice=None)
+    with pytest.raises(ConfigError, match=r"data\.train_batch_size=10 must be a multiple of"):
+        plan_run(_cfg({"data": {"train_batch_size": 10}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}}}),
+                 1, notice=None)
+
+
+def test_parallel_dims_are_built_in_one_place():
+    """Only the role-layout functions (workers/config.py) construct a ParallelDims; the plan calls them once per
+    pool and the workers take the plan's (a worker built outside a run derives its own through them).
+    models/fsdp.make_fsdp_mesh lays out a bare model over the whole world, outside any role."""
+    builders = {"for_role", "parallel_dims", "rollout_dims"}
+    callers = set()
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+                if name in builders:
+                    callers.add(path.relative_to(SRC).as_posix())
+    assert callers == {"workers/config.py", "models/fsdp.py"}, callers
