@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         return _after_report(2)
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if cfg.trainer.host_mmap_threshold_kb > 0:
-        set_mmap_threshold(cfg.trainer.host_mmap_threshold_kb * 1024)
-    set_trim_threshold(cfg.trainer.host_trim_threshold_mb * 2**20)
-    if cfg.trainer.host_keep_freed_memory:
+    if cfg.tuning.host_mmap_threshold_kb > 0:
+        set_mmap_threshold(cfg.tuning.host_mmap_threshold_kb * 1024)
+    set_trim_threshold(cfg.tuning.host_trim_threshold_mb * 2**20)
+    if cfg.tuning.host_keep_freed_memory:
         keep_freed_memory()
     # Raised in a worker, these reach the other ranks as one line too (single_controller.failure).
     report_as_user_errors(RunFolderBusy, CheckpointSpaceError, Preempted, NonFiniteError)

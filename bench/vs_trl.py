@@ -187,7 +187,7 @@ def real_model_flags() -> list[str]:
     return [f"--actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
             f"--actor_rollout_ref.rollout.sleep_level={rollout.sleep_level}",
             f"--actor_rollout_ref.model.use_fused_layers={str(model.use_fused_layers).lower()}",
-            f"--trainer.host_keep_freed_memory={str(cfg.trainer.host_keep_freed_memory).lower()}"]
+            f"--tuning.host_keep_freed_memory={str(cfg.tuning.host_keep_freed_memory).lower()}"]
 
 
 def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:

@@ -99,7 +99,7 @@ def real_cpu() -> Config:
     t.val_before_train = False
     # Each phase reuses the heap pages the previous one freed instead of faulting in fresh ones
     # (tinyzero.runtime.host_memory): about a quarter of an fp32 update's time on a VM.
-    t.host_keep_freed_memory = True
+    cfg.tuning.host_keep_freed_memory = True
     return cfg
 
 

@@ -1,6 +1,6 @@
-"""tinyzero.runtime.host_memory: with the mmap threshold fixed (trainer.host_mmap_threshold_kb), memory a process frees
+"""tinyzero.runtime.host_memory: with the mmap threshold fixed (tuning.host_mmap_threshold_kb), memory a process frees
 goes back to the system even when it is interleaved with live tensors; with glibc's adaptive default
-it stays resident until a phase ends with more than trainer.host_trim_threshold_mb free in the heaps
+it stays resident until a phase ends with more than tuning.host_trim_threshold_mb free in the heaps
 (phase_done). Each case runs in a fresh interpreter (malloc settings are per process)."""
 
 from __future__ import annotations
@@ -116,10 +116,11 @@ def test_keep_freed_memory_reuses_pages_instead_of_faulting():
 
 
 def test_keep_freed_memory_conflicts_with_the_mmap_threshold():
-    from tinyzero.config import ConfigError, TrainerConfig
+    from tinyzero.config import ConfigError
+    from tinyzero.config.tuning import TuningConfig
 
     with pytest.raises(ConfigError, match="host_keep_freed_memory"):
-        TrainerConfig(host_keep_freed_memory=True, host_mmap_threshold_kb=1024)
+        TuningConfig(host_keep_freed_memory=True, host_mmap_threshold_kb=1024)
 
 
 THP_SCRIPT = r"""

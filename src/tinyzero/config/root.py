@@ -15,6 +15,7 @@ from typing import Literal
 
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
+from tinyzero.config.tuning import TuningConfig
 from tinyzero.data.config import DataConfig
 from tinyzero.rewards.config import CustomRewardFunctionConfig, RewardConfig
 from tinyzero.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
@@ -133,23 +134,6 @@ class TrainerConfig:
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (the world group and every pool's groups): a rank that stops
     taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
-    host_trim_threshold_mb: int = 256
-    """glibc malloc: at the end of each phase of a step (generation, log-probs, update, ...), when the
-    host heaps hold more than this many MiB free, their free pages go back to the system (malloc_trim),
-    so what one phase freed does not stay resident under the next one's peak (tinyzero.runtime.host_memory).
-    The next phase faults in only the pages it reuses. 0 turns it off."""
-    host_mmap_threshold_kb: int = 0
-    """glibc malloc: host allocations of at least this many KiB get their own mapping, returned to the
-    system when freed, so a process's resident memory follows its live tensors instead of keeping what
-    each phase freed (tinyzero.runtime.host_memory; e.g. 1024). The price is page faults on every such
-    allocation, which a small model's many MB-sized activations feel. 0 (default) leaves glibc's
-    adaptive threshold."""
-    host_keep_freed_memory: bool = False
-    """glibc malloc, for speed over memory: every host allocation comes from the heaps, which never
-    shrink, and nothing is trimmed (host_trim_threshold_mb is ignored), so each phase reuses the pages
-    earlier phases freed instead of faulting in fresh, zeroed ones (tinyzero.runtime.host_memory). Those faults
-    cost about a quarter of a SmolLM2 fp32 update on a VM; the peak resident memory is higher (~+20%
-    there). Cannot be combined with host_mmap_threshold_kb."""
     hang_timeout_s: float = 300.0
     """Progress watchdog: when a rank reports no progress (a step phase, a micro-batch, generated
     tokens, scored samples) for this long while its main thread sits still outside a collective, or
@@ -177,14 +161,9 @@ class TrainerConfig:
             if name not in known:
                 raise ConfigError(f"trainer.logger has unknown entry {name!r}{nearest(name, known)}; "
                                  f"choose from {list(known)}")
-        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold", "host_mmap_threshold_kb",
-                     "host_trim_threshold_mb"):
+        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
-        if self.host_keep_freed_memory and self.host_mmap_threshold_kb > 0:
-            raise ConfigError(f"trainer.host_keep_freed_memory keeps freed host memory for reuse and "
-                              f"trainer.host_mmap_threshold_kb={self.host_mmap_threshold_kb} hands it back; "
-                              f"set one of them")
         if self.partial_rollout_chunk < 1:
             raise ConfigError(f"trainer.partial_rollout_chunk must be >= 1 (got {self.partial_rollout_chunk}); "
                               "e.g. 64 new tokens per decoding segment")
@@ -255,6 +234,8 @@ class Config:
     """The run: length, logging, checkpoints, placement."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """DPO loss settings (trainer.mode="dpo")."""
+    tuning: TuningConfig = field(default_factory=TuningConfig)
+    """Knobs of tinyzero's own machinery (host memory); they change speed and memory, never the results."""
 
     def __post_init__(self):
         apply_rollout_correction(self)

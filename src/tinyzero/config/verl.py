@@ -358,6 +358,10 @@ KEYS: dict[str, Rule] = {
     # ---- algorithm
     "algorithm.use_pf_ppo": _refuse("no priority-filtered PPO", "algorithm.filter_groups.enable", False),
     "algorithm.pf_ppo.*": _ignore("used with algorithm.use_pf_ppo only"),
+    # tinyzero's own earlier names: configs saved before the tuning section keep loading
+    "trainer.host_trim_threshold_mb": _rename("tuning.host_trim_threshold_mb"),
+    "trainer.host_mmap_threshold_kb": _rename("tuning.host_mmap_threshold_kb"),
+    "trainer.host_keep_freed_memory": _rename("tuning.host_keep_freed_memory"),
 }
 
 # Keys every training role shares: the optimizer and FSDP engine settings of veRL's new engine config.

@@ -37,7 +37,7 @@ SAFE_TO_CHANGE = {f"trainer.{name}" for name in (
 # Any field under these prefixes, or ending in these names: the schedule length follows the run length;
 # micro-batching is exact under any split (workers/scaling.py); memory, offload, sharding and kernel
 # choices, worker counts and time limits change how the same math runs, not the math.
-SAFE_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.",)
+SAFE_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "tuning.")
 SAFE_SUFFIXES = (
     ".optim.total_training_steps", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
     ".enable_gradient_checkpointing", ".gradient_checkpointing_every_n_layers", ".attn_implementation", ".gpu_memory_utilization", ".cpu_kv_cache_mb",
