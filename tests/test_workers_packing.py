@@ -551,7 +551,7 @@ def trainer_rank_fn(model_dir: str, data_dir: str, out_dir: str):
         metrics = trainer.fit()
         trainer.close()
         sources[source] = (chosen, {k: v for k, v in metrics.items()
-                                    if k.startswith(("actor/", "timing_s/", "training/rollout"))})
+                                    if k.startswith(("actor/", "timing_s/", "training/rollout", "rollout_corr/"))})
     return sources
 
 
