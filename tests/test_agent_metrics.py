@@ -83,6 +83,7 @@ def _worker(model_dir: str):
     return rows, list(nt["num_turns"]), {k: metrics[k] for k in ref}, ref, first_half
 
 
+@pytest.mark.slow
 def test_agent_metrics_over_all_ranks(tiny_model_dir):
     results = run_distributed(_worker, 2, tiny_model_dir, timeout=300)
     for rows, turns, metrics, ref, first_half in results:

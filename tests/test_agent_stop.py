@@ -189,6 +189,7 @@ def expected_rollout(tok) -> tuple[list[int], list[int]]:
     return ids, [1] * len(call) + [0] * observation + [1] * len(answer)
 
 
+@pytest.mark.slow
 def test_turn_ends_at_tool_call_native(tool_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

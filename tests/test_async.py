@@ -236,6 +236,7 @@ def _bridge_round_trips(bucket_sizes: list[int]) -> list[float]:
     return out
 
 
+@pytest.mark.slow
 def test_weight_bridge_moves_every_dtype_bit_for_bit():
     # A bucket per tensor, a few tensors per bucket (unaligned sizes), one bucket for all.
     sent, reference = run_distributed(_bridge_round_trips, 2, [1, 64, 1 << 20], timeout=120,

@@ -281,6 +281,7 @@ def _assert_states_equal(a, b, atol=0.0):
                 assert x[k] == y[k], k
 
 
+@pytest.mark.slow
 def test_dcp_resume_same_and_different_world_size(tiny_model_dir, tmp_path):
     root = str(tmp_path / "ckpt")
     results = run_distributed(_save_run, 2, tiny_model_dir, root)

@@ -49,6 +49,7 @@ def exported(tiny_model_dir, tmp_path_factory):
     return root, outs, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1])
 def test_hf_export_reloads_with_identical_logits(tiny_model_dir, exported, which):
     from safetensors import safe_open

@@ -158,6 +158,7 @@ def test_unknown_flag_names_nearest():
         parse_args(["--actor_rollout_ref.actor.optim.lrr=1e-6"])
 
 
+@pytest.mark.slow
 def test_help_lists_every_flag():
     import os
     import subprocess

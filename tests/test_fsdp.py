@@ -140,6 +140,7 @@ def two_rank_results(tiny_model_dir, tmp_path_factory):
     return run_distributed(_run_cases, 2, tiny_model_dir, str(corrupt))
 
 
+@pytest.mark.slow
 def test_unreadable_weights_fail_every_rank(two_rank_results):
     rank0, rank1 = (r["corrupt"] for r in two_rank_results)
     assert rank0 != "loaded" and "could not load" not in rank0  # the source rank reports the real error

@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,6 +26,7 @@ def _gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_dry_mode_runs_and_reports_what_it_did_not_cover(tmp_path):
     summary_path = tmp_path / "summary.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}

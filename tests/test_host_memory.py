@@ -61,6 +61,7 @@ def _run(mode: str, script: str = SCRIPT, huge_pages: bool = False) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
 def test_fixed_mmap_threshold_returns_freed_memory():
     fixed, default = _run("fixed"), _run("default")
@@ -103,6 +104,7 @@ print(json.dumps({"set": ok, "refault_pages": refault, "trimmed": trimmed, "free
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_glibc() is None or not hasattr(_glibc(), "mallinfo2"), reason="needs glibc >= 2.33")
 def test_keep_freed_memory_reuses_pages_instead_of_faulting():
     keep, default = _run("keep", KEEP_SCRIPT), _run("default", KEEP_SCRIPT)
@@ -145,6 +147,7 @@ def _thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "none"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_train_entry_point_turns_on_huge_pages_for_large_blocks():
     on, off = _run("train", THP_SCRIPT, huge_pages=True), _run("off", THP_SCRIPT)

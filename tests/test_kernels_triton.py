@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     root = Path(__file__).resolve().parents[1]
     cases = Path(__file__).with_name("test_kernels_triton_cases.py")

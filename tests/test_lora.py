@@ -140,6 +140,7 @@ def _lora_model(model_dir: str, adapters: dict, dtype=torch.float64):
     return model
 
 
+@pytest.mark.slow
 def test_only_adapters_train_and_match_float64_reference(run, tiny_model_dir):
     res, _ = run
     assert res["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in res["trainable"])
@@ -526,6 +527,7 @@ def bf16_rank_fn(model_dir: str):
     return _portable(res) if int(os.environ["RANK"]) == 0 else None
 
 
+@pytest.mark.slow
 def test_bf16_base_keeps_fp32_adapters(tiny_model_dir):
     res = _torch(run_distributed(bf16_rank_fn, 2, tiny_model_dir, timeout=600)[0])
     for (name, trainable), dtype in res["dtypes"].items():

@@ -91,6 +91,7 @@ def test_model_loads_and_is_deterministic(tiny_model_dir, tmp_path):
     torch.testing.assert_close(out.logits.double(), ref_logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_cli(tmp_path):
     import subprocess
     import sys

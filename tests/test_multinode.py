@@ -86,6 +86,7 @@ def _snapshot(path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_node_local_folders_are_refused_and_a_shared_folder_passes(tmp_path):
     # Two "nodes", each with its own disk: the same run folder name, different contents.
     node_disks = [str(tmp_path / "node0" / "checkpoints"), str(tmp_path / "node1" / "checkpoints")]

@@ -68,6 +68,7 @@ def live_rank_fn(model_dir: str, model_dtype: str) -> dict:
             "logits": logits.dtype, "moved_frac": moved / total}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_dtype", ["auto", "fp32"])
 def test_trainable_model_keeps_fp32_master_weights_and_adam_state(tiny_model_dir, model_dtype):
     res = run_distributed(live_rank_fn, 1, tiny_model_dir, model_dtype, timeout=240)[0]

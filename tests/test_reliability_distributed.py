@@ -46,6 +46,7 @@ def _never_joined(timeout_s: float) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_collective_timeout_applies_to_world_and_pool_groups_and_first_failure_is_named():
     got = run_distributed(_never_joined, 2, 2.0, timeout=120, env={"TINYZERO_ABORT_WATCHDOG": "0"})
     rank0, rank1 = got

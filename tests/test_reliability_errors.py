@@ -45,6 +45,7 @@ def test_yaml_numbers_written_as_strings_are_numbers(tmp_path):
     assert parse_args(["--config", str(path)]).actor_rollout_ref.actor.optim.lr == 1e-6
 
 
+@pytest.mark.slow
 def test_config_folder_and_train_py_prints_one_line(tmp_path):
     (tmp_path / "cfg.yaml").mkdir()
     with pytest.raises(ConfigError, match="is a folder; pass a YAML file"):

@@ -73,6 +73,7 @@ def _both_ranks_try(run_dir: str) -> str:
         return str(e)
 
 
+@pytest.mark.slow
 def test_every_rank_learns_the_folder_is_busy(tmp_path):
     holder = RunLock(str(tmp_path / "run"))
     holder.acquire()

@@ -85,6 +85,7 @@ def _manager(fns: str, name: str, **kw) -> RewardManager:
     return RewardManager(CharTokenizer(), RewardConfig(custom_fn=f"{fns}:{name}", **kw))
 
 
+@pytest.mark.slow
 def test_function_swallowing_the_time_limit_is_killed_and_named(fns, capsys):
     rm = _manager(fns, "swallow", timeout_s=0.5, num_workers=1, on_error="raise")
     try:

@@ -65,6 +65,7 @@ CASES = [  # mode, do_sample, exchange, vocab, prompts, compact
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,do_sample,exchange,vocab,prompts,compact", CASES)
 def test_tensor_parallel_decode_gives_the_single_rank_samples(mode, do_sample, exchange, vocab, prompts, compact):
     ranks = run_distributed(_tp_rank, 2, mode, do_sample, exchange, vocab, prompts, compact, timeout=240)
@@ -84,6 +85,7 @@ def test_tensor_parallel_decode_gives_the_single_rank_samples(mode, do_sample, e
         assert torch.equal(ranks[0][True][key], ranks[1][True][key])
 
 
+@pytest.mark.slow
 def test_uneven_prompts_decode_alone_on_every_rank():
     """3 prompts do not split over 2 ranks: each rank decodes the batch alone, with the same result."""
     ranks = run_distributed(_tp_rank, 2, "shared", True, "shm", 96, 3, True, timeout=240)

@@ -153,6 +153,7 @@ def _check(res):
     assert res["responses_0"] != res["responses_1"]
 
 
+@pytest.mark.slow
 def test_vllm_matches_native_and_syncs_weights(vllm_tiny_dir):
     (res,) = run_distributed(_vllm_worker, 1, vllm_tiny_dir, True, timeout=600)
     print({k: v for k, v in res.items() if not k.startswith("responses")})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -96,6 +97,7 @@ def _fsdp_sync_worker(bucket_bytes: int):
     return same, gen_ok, local < total
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_full_params_and_engine_sync():
     results = run_distributed(_fsdp_sync_worker, 2, 30_000, timeout=240)
     for same, gen_ok, is_sharded in results:

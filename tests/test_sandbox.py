@@ -79,6 +79,7 @@ def _uids_alive(low: int, high: int) -> list[int]:
     return alive
 
 
+@pytest.mark.slow
 @needs_ns
 def test_fork_bomb_is_contained_and_reaped():
     box = Sandbox(isolation="namespaces", max_concurrent=1)

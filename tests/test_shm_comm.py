@@ -64,6 +64,7 @@ def _collectives_worker(slot_bytes: int):
     return bad, comm._seq
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,slot_bytes", [(2, 256), (3, 192), (2, 1 << 20)])
 def test_all_gather_and_reduce_scatter_equal_gloo(world, slot_bytes):
     for bad, exchanges in run_distributed(_collectives_worker, world, slot_bytes, timeout=120):
@@ -131,6 +132,7 @@ def _counted(fn, counts, key):
     return call
 
 
+@pytest.mark.slow
 def test_fsdp_trains_the_same_through_shared_memory():
     for differ, calls, least_change in run_distributed(_fsdp_worker, 2, timeout=120):
         assert differ == []
@@ -165,6 +167,7 @@ def _absent_peer_worker(peer_gone: bool):
     return "no error", time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_missing_peer_raises_within_the_timeout():
     (message, waited), absent = run_distributed(_absent_peer_worker, 2, False, timeout=60)
     assert absent == "absent"
@@ -172,6 +175,7 @@ def test_a_missing_peer_raises_within_the_timeout():
     assert waited < 5
 
 
+@pytest.mark.slow
 def test_a_peer_that_exited_raises_at_once():
     (message, waited), _ = run_distributed(_absent_peer_worker, 2, True, timeout=60)
     assert "test exchange: rank 1 of the group (pid" in message and "exited while rank 0 waited" in message

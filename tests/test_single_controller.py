@@ -282,6 +282,7 @@ def _four_ranks():
     return rank
 
 
+@pytest.mark.slow
 def test_four_ranks_tp_overlap_colocation():
     assert run_distributed(_four_ranks, 4, timeout=300) == [0, 1, 2, 3]
 
@@ -315,6 +316,7 @@ def _divergence():
     return caught
 
 
+@pytest.mark.slow
 def test_spmd_divergence_is_detected():
     env = {"TINYZERO_CHECK_SPMD": "1", "TINYZERO_CHECK_SPMD_TIMEOUT_S": "4"}
     results = run_distributed(_divergence, 2, timeout=120, env=env)
@@ -354,6 +356,7 @@ def _rank_dependent_use():
     return "did not use it"
 
 
+@pytest.mark.slow
 def test_rank_dependent_use_of_a_result_is_detected():
     env = {"TINYZERO_CHECK_SPMD": "1", "TINYZERO_CHECK_SPMD_TIMEOUT_S": "3"}
     results = run_distributed(_rank_dependent_use, 2, timeout=120, env=env)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -43,6 +44,7 @@ def _job() -> None:
     print("unreachable: the job went on after a worker failed", flush=True)
 
 
+@pytest.mark.slow
 def test_failure_inside_a_collective_ends_the_job_with_the_traceback():
     from tests.dist_utils import free_port
 

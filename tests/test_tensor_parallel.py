@@ -217,6 +217,7 @@ def _kernel_ranks():
     return out
 
 
+@pytest.mark.slow
 def test_vocab_parallel_log_probs_and_grads_match_float64():
     from tinyzero.kernels import HAS_TRITON
 
@@ -282,6 +283,7 @@ def _compare(got, want, name):
                                    rtol=1e-8, msg=lambda m, k=key: f"{name} parameter {k} after one step: {m}")
 
 
+@pytest.mark.slow
 def test_tp2_models_match_the_untouched_model(tiny_model_dir):
     ranks = run_distributed(_model_ranks, 2, tiny_model_dir, timeout=300)
     ref = _references(tiny_model_dir)

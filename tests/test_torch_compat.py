@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
@@ -18,6 +20,7 @@ import sys, warnings
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_api as api
 del api.AllGather, api.ReduceScatter  # as in torch releases without FSDP2's custom-collective hooks
+
 import tinyzero.distributed.shm_comm as shm
 import tinyzero.models.fsdp  # noqa: F401
 import tinyzero.rollout.weight_sync  # noqa: F401
@@ -36,6 +39,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_imports_without_private_fsdp_api():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

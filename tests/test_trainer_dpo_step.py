@@ -101,6 +101,7 @@ def dpo_run(tiny_model_dir, tmp_path_factory):
     return steps, str(root / "hf")
 
 
+@pytest.mark.slow
 def test_dpo_steps_match_float64_reference(dpo_run, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

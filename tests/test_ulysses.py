@@ -228,6 +228,7 @@ def sp_results(tiny_model_dir, tmp_path_factory):
     return run_distributed(_rank_main, 2, {"kv2": tiny_model_dir, "kv1": kv1}, 1024, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["kv2", "kv1", "llama", "qwen3"])
 @pytest.mark.parametrize("packing", ["none", "remove_padding", "shared_prefix"])
 def test_sp2_matches_single_process(sp_results, model, packing):

@@ -357,6 +357,7 @@ CPU_SCALE = ["data.train_batch_size=4", "data.val_batch_size=4", "data.max_respo
     ("grpo_lora_qwen2_5-3b.txt", "gsm8k", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                                            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.model.lora_rank=4"]),
 ])
+@pytest.mark.slow
 def test_script_trains_two_steps_on_two_cpu_ranks(name, data, extra, verl_data, tiny_model_dir, tmp_path):
     from tinyzero.trainer.loggers import read_metrics
 

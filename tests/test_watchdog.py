@@ -103,6 +103,7 @@ def _silent_s(verdict: str) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,phase", [("sigstop", "update_actor"), ("update", "update_actor"),
                                         ("generate", "generate")])
+@pytest.mark.slow
 def test_stuck_rank_is_named_within_the_bound(demo_data, tiny_model_dir, mode, phase):
     code, out, ended_at = _launch(demo_data, mode, tiny_model_dir)
     assert code != 0, out[-4000:]

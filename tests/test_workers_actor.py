@@ -212,6 +212,7 @@ def _assert_params_close(a: dict, b: dict, atol: float = 1e-5):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_compute_log_prob_matches_hf(runs, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

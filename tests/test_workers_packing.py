@@ -441,6 +441,7 @@ def two_rank_runs(tiny_model_dir):
     return _torch(run_distributed(packing_rank_fn, 2, tiny_model_dir, variants, timeout=600)[0])
 
 
+@pytest.mark.slow
 def test_packed_update_matches_unpacked_and_float64(two_rank_runs, tiny_model_dir):
     ref_pg, ref_norm, ref_params = _reference(tiny_model_dir)
     noisy = [r for r in two_rank_runs if "source" not in r["variant"]]

@@ -145,6 +145,7 @@ def _model_with(model_dir: str, params: dict):
     return model
 
 
+@pytest.mark.slow
 def test_generation_uses_current_actor_weights(run, tiny_model_dir):
     from transformers import AutoTokenizer, GenerationConfig
 

@@ -105,6 +105,7 @@ def runs(tiny_model_dir):
     return one + two
 
 
+@pytest.mark.slow
 def test_sft_step_matches_the_float64_loop_padded_and_packed(runs, tiny_model_dir):
     ref_loss, ref_norm, ref_params = _reference(tiny_model_dir)
     assert len(runs) == 4
