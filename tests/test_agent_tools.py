@@ -175,7 +175,7 @@ def test_pool_start_error_names_the_tool(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("raise ImportError('missing dependency foo')\n")
     pool = ToolPool([f"{path}:X"], num_workers=1)
-    with pytest.raises(ValueError, match="a tool worker could not load rollout.multi_turn.tools: ImportError: missing dependency foo"):
+    with pytest.raises(ValueError, match=r"a tool worker could not load rollout\.multi_turn\.tools: .*broken\.py. failed with ImportError: missing dependency foo"):
         pool.run([("x", {}, 1.0)])
     pool.close()
 
