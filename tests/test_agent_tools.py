@@ -141,7 +141,7 @@ def test_load_tool_errors(tmp_path):
         load_tool(f"{bad}:X")
 
 
-def test_pool_survives_misbehaving_tools(tool_specs):
+def test_pool_survives_misbehaving_tools(tool_specs, capsys):
     from tinyzero.agent.pool import ToolPool
 
     pool = ToolPool(tool_specs, num_workers=2, memory_mb=256, max_chars=100, kill_grace_s=0.5)
@@ -162,11 +162,33 @@ def test_pool_survives_misbehaving_tools(tool_specs):
         assert not res[6].error and res[6].text == str({"a": [1]})
         assert res[7].error and "unknown tool 'nope'" in res[7].text
         assert elapsed < 30, elapsed  # the hang is cut at 0.5 s + grace, not waited out
+        # Each failure the run survives is also said once on the console, naming the tool and the fix.
+        err = capsys.readouterr().err.splitlines()
+        assert any("tool 'hang' ran past its time limit of 0.5 s" in line for line in err), err
+        assert any("tool 'hog' ran out of memory (rollout.multi_turn.tool_memory_mb)" in line for line in err), err
+        assert any("tool 'crash' crashed: its process ended (exit code 3)" in line for line in err), err
+        assert not any("'boom'" in line or "'nope'" in line for line in err), err  # the model's own errors: metrics only
         # The pool goes on after killing and replacing workers.
         again = pool.run([("calculator", {"expression": "2*21"}, 2.0)] * 3)
         assert [r.text for r in again] == ["42"] * 3
     finally:
         pool.close()
+
+
+def test_failure_notices_are_rate_limited(capsys, monkeypatch):
+    from tinyzero.agent import pool
+
+    clock = [100.0]
+    monkeypatch.setattr(pool.time, "monotonic", lambda: clock[0])
+    notices = pool.FailureNotices(every_s=60)
+    assert "tool 'hang' ran past" in notices.note("hang", "timeout", "2 s")
+    assert notices.note("hang", "timeout", "2 s") is None and notices.note("hang", "timeout", "2 s") is None
+    assert "tool 'hang' crashed" in notices.note("hang", "died", "killed by SIGSEGV")  # another kind: its own line
+    clock[0] += 61
+    line = notices.note("hang", "timeout", "2 s")
+    assert "(3 such calls in the last 61 s)" in line, line
+    assert len(capsys.readouterr().err.splitlines()) == 3
+    assert pool._exit_text(-11) == "killed by SIGSEGV" and pool._exit_text(3) == "exit code 3"
 
 
 def test_pool_start_error_names_the_tool(tmp_path):

@@ -9,6 +9,11 @@ trainer's script) runs one call at a time; calls are spread over the workers. A 
 past its timeout is killed with its worker (a fresh one takes the next call); a worker that dies
 (a crash, the memory limit) answers its call with an error. Every call therefore returns, within
 its timeout plus `kill_grace_s`, a `ToolResult`: the text, or the error the model will read.
+
+The run goes on after such a failure, so besides the agent/* metrics it is said on the console:
+the first call of each tool to time out, kill its process (a crash, a signal) or run out of memory
+prints one line naming the tool; later ones of the same tool and kind print at most one line per
+`notice_every_s` with their count.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from __future__ import annotations
 import pickle
 import select
 import subprocess
+import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from tinyzero.rewards.scoring import WorkerSlots, _Worker, write_message
@@ -32,6 +38,45 @@ class ToolResult:
     timeout: bool = False
 
 
+# Each kind of failure on the console: what happened to the call ({detail}: the limit, the exit) and
+# the metric that counts it.
+_FAILURES = {
+    "timeout": ("ran past its time limit of {detail} and was killed (rollout.multi_turn.tool_timeout_s, or the "
+                "tool's own timeout_s)", "agent/tool_timeouts/total"),
+    "died": ("crashed: its process ended ({detail})", "agent/tool_errors/total"),
+    "memory": ("ran out of memory (rollout.multi_turn.tool_memory_mb)", "agent/tool_errors/total"),
+}
+
+
+class FailureNotices:
+    """Console lines for tool failures that would otherwise show only in the metrics: the first of each
+    (tool, kind), then at most one per `every_s` seconds with the count since the last line."""
+
+    def __init__(self, every_s: float = 300.0):
+        self.every_s = every_s
+        self.last: dict[tuple[str, str], float] = {}
+        self.since: Counter = Counter()
+
+    def note(self, tool: str, kind: str, detail: str = "") -> str | None:
+        """Count one failure; returns the line printed (None when rate-limited)."""
+        key, now = (tool, kind), time.monotonic()
+        self.since[key] += 1
+        last = self.last.get(key)
+        if last is not None and now - last < self.every_s:
+            return None
+        count = self.since.pop(key)
+        self.last[key] = now
+        what, metric = _FAILURES[kind]
+        again = "" if last is None else f" ({count} such calls in the last {now - last:.0f} s)"
+        from tinyzero.distributed import get_rank
+
+        line = (f"[rank {get_rank()}] warning: tool {tool!r} {what.format(detail=detail)}{again}; the model reads "
+                f"a tool error and the run goes on (counted in {metric}; repeats are summed here at most every "
+                f"{self.every_s:g} s)")
+        print(line, file=sys.stderr, flush=True)
+        return line
+
+
 class _ToolWorker(_Worker):
     """One tool subprocess (start-up, pipes and kill as a reward scoring worker's); one call at a time."""
 
@@ -44,16 +89,31 @@ class _ToolWorker(_Worker):
         self.busy = (index, time.monotonic(), timeout_s)
 
 
+def _exit_text(code: int | None) -> str:
+    """A tool process's end in words: the signal that killed it, or its exit code."""
+    if code is None:
+        return "it did not exit"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class ToolPool(WorkerSlots):
     """Worker processes that run tool calls (see the module docstring)."""
 
     def __init__(self, tool_specs: list[str], num_workers: int = 2, memory_mb: int = 1024, max_chars: int = 2000,
-                 ready_timeout_s: float = 60.0, kill_grace_s: float = 1.0):
+                 ready_timeout_s: float = 60.0, kill_grace_s: float = 1.0, notice_every_s: float = 300.0):
         if num_workers < 1:
             raise ValueError(f"ToolPool needs num_workers >= 1, got {num_workers}")
         self.settings = (list(tool_specs), int(memory_mb), int(max_chars))
         self.ready_timeout_s = ready_timeout_s
         self.kill_grace_s = kill_grace_s
+        self.notices = FailureNotices(notice_every_s)
         super().__init__(num_workers)
 
     def _new_worker(self) -> _ToolWorker:
@@ -76,6 +136,8 @@ class ToolPool(WorkerSlots):
                 try:
                     status, text = self._workers[i].receive()
                     results[k] = ToolResult(text, error=status != "ok")
+                    if status == "memory":
+                        self.notices.note(calls[k][0], "memory")
                 except (EOFError, OSError, pickle.UnpicklingError):
                     try:
                         code = self._workers[i].proc.wait(timeout=1.0)
@@ -83,12 +145,14 @@ class ToolPool(WorkerSlots):
                         code = None
                     self._drop(i)
                     results[k] = ToolResult(f"the tool process died (exit code {code})", error=True)
+                    self.notices.note(calls[k][0], "died", _exit_text(code))
             now = time.monotonic()
             for i, w in enumerate(self._workers):
                 if w is not None and w.busy and now - w.busy[1] > w.busy[2] + self.kill_grace_s:
                     k, _, limit = w.busy
                     self._drop(i)  # only killing the process stops a call that hangs
                     results[k] = ToolResult(f"timed out after {limit:g} s", error=True, timeout=True)
+                    self.notices.note(calls[k][0], "timeout", f"{limit:g} s")
         return results
 
     def close(self) -> None:

@@ -2,8 +2,8 @@
 
 Reads (tool specs, memory limit in MiB, max characters) once from stdin, loads the tools, caps its
 own address space (RLIMIT_AS: what it uses now plus the limit), answers None (or the load error),
-then answers each (tool name, arguments) with ("ok", text) or ("error", message), as length-prefixed
-pickles on stdout. It imports neither torch nor the trainer: a tool that misbehaves harms only this
+then answers each (tool name, arguments) with ("ok", text), ("error", message) or ("memory", message)
+(the memory limit was hit), as length-prefixed pickles on stdout. It imports neither torch nor the trainer: a tool that misbehaves harms only this
 process, which the pool kills and replaces.
 """
 
@@ -49,8 +49,8 @@ def run_call(tools: dict, name: str, args: dict, max_chars: int) -> tuple[str, s
         out = tool.call(args)
         text = out if isinstance(out, str) else str(out)
         return "ok", truncate(text, max_chars)
-    except MemoryError:
-        return "error", "the tool ran out of memory (rollout.multi_turn.tool_memory_mb)"
+    except MemoryError:  # "memory": an error the model reads, which the pool also says on the console
+        return "memory", "the tool ran out of memory (rollout.multi_turn.tool_memory_mb)"
     except Exception as e:  # noqa: BLE001 - a tool's failure is the model's observation
         return "error", truncate(f"{type(e).__name__}: {e}", max_chars)
 
