@@ -15,6 +15,7 @@ from typing import Literal
 
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
+from tinyzero.algorithms.distill import DistillConfig
 from tinyzero.config.tuning import TuningConfig
 from tinyzero.data.config import DataConfig
 from tinyzero.rewards.config import CustomRewardFunctionConfig, RewardConfig
@@ -234,6 +235,8 @@ class Config:
     """The run: length, logging, checkpoints, placement."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """DPO loss settings (trainer.mode="dpo")."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (off while distill.teacher_path is empty)."""
     tuning: TuningConfig = field(default_factory=TuningConfig)
     """Knobs of tinyzero's own machinery (host memory); they change speed and memory, never the results."""
 
@@ -283,6 +286,14 @@ def check_lora(cfg: Config) -> None:
     if cfg.actor_rollout_ref.model.lora_rank and cfg.trainer.mode != "ppo":
         raise ConfigError(f"actor_rollout_ref.model.lora_rank with trainer.mode={cfg.trainer.mode!r}: LoRA is "
                           "supported for PPO-family runs (trainer.mode=ppo); set lora_rank=0")
+
+
+def check_distill(cfg: Config) -> None:
+    """On-policy distillation runs in the synchronous PPO-family loop (tinyzero.algorithms.distill)."""
+    t = cfg.trainer
+    if cfg.distill.enabled and (t.max_staleness or t.rollout_pool_size):
+        raise ConfigError("distill.teacher_path with the asynchronous pipeline (trainer.max_staleness / "
+                          "rollout_pool_size) is not supported; set both to 0, or distill.teacher_path=''")
 
 
 def check_async(cfg: Config) -> None:
@@ -359,6 +370,7 @@ def check_config(cfg: Config) -> None:
                       "do_sample=true to train on them", stacklevel=2)
     check_dapo(cfg)
     check_async(cfg)
+    check_distill(cfg)
     if arr.actor.policy_loss.loss_mode not in POLICY_LOSSES:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={arr.actor.policy_loss.loss_mode!r} is "
                          f"unknown; use one of {sorted(POLICY_LOSSES)} or register one with register_policy_loss")

@@ -29,6 +29,7 @@ from tinyzero.trainer.setup import make_tracker, plan_and_check, prepare_run, wr
 from tinyzero.workers.actor_worker import ActorRolloutRefWorker
 from tinyzero.workers.critic_worker import CriticWorker
 from tinyzero.workers.reward_model import RewardModelWorker
+from tinyzero.workers.teacher import TeacherWorker, check_teacher_vocabulary
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Roles:
     reward_model: WorkerGroup | None
     actor_rollout_dp_size: int
     rollout_dp_size: int
+    teacher: WorkerGroup | None = None
+    """On-policy distillation's frozen teacher (distill.teacher_path), else None."""
 
 
 def role_classes(plan: RunPlan, policy_role: str) -> dict[str, ClassWithInitArgs]:
@@ -54,6 +57,9 @@ def role_classes(plan: RunPlan, policy_role: str) -> dict[str, ClassWithInitArgs
                                               rows_per_mini_batch=plan.rows_per_mini_batch["critic"])
     if "reward_model" in plan.dims:
         classes["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg.reward_model, dims=plan.dims["reward_model"])
+    if "teacher" in plan.dims:
+        classes["teacher"] = ClassWithInitArgs(TeacherWorker, cfg.actor_rollout_ref, cfg.distill,
+                                               dims=plan.dims["teacher"])
     return classes
 
 
@@ -71,11 +77,12 @@ def build_roles(plan: RunPlan) -> Roles:
                                             cls_with_init=policy)}
         for name, cls in classes.items():
             wgs[name] = WorkerGroup(resource_pool=ResourcePool(ranks=list(plan.pools[name])), cls_with_init=cls)
-    for name in ("critic", "reward_model", "actor_rollout"):
+    for name in ("critic", "reward_model", "teacher", "actor_rollout"):
         if name in wgs:
             wgs[name].init_model()
     return Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
-                 actor_rollout_dp_size=plan.dims["actor"].dp_size, rollout_dp_size=plan.dims["rollout"].dp_size)
+                 actor_rollout_dp_size=plan.dims["actor"].dp_size, rollout_dp_size=plan.dims["rollout"].dp_size,
+                 teacher=wgs.get("teacher"))
 
 
 def build_ppo_trainer(cfg: Config) -> PPOTrainer:
@@ -83,6 +90,8 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
     world_size = get_world_size()
     plan = plan_and_check(cfg, world_size)
     user_cfg, cfg = cfg, plan.config  # the roles run the resolved copy; config.yaml keeps what the user wrote
+    if cfg.distill.enabled:  # before any model loads: a teacher of another vocabulary is refused in one line
+        check_teacher_vocabulary(cfg.actor_rollout_ref.model, cfg.distill)
     run = prepare_run(cfg, RLHFDataset, {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim,
                                          "critic.optim": cfg.critic.optim})
     reward_args = (cfg.reward, cfg.custom_reward_function, cfg.reward_model.reward_manager,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tinyzero.algorithms.advantages import compute_advantage, get_adv_estimator_spec
+from tinyzero.algorithms.distill import apply_distillation
 from tinyzero.algorithms.dynamic_sampling import FILTER_METRICS, filter_groups
 from tinyzero.algorithms.kl import apply_kl_penalty, get_kl_controller
 from tinyzero.protocol import DataProto
@@ -123,11 +124,14 @@ class PPOTrainer(Driver):
         if source == "actor":
             with timer("old_log_prob", timing):
                 outs.append(self.roles.actor_rollout.compute_log_prob(batch))
-        elif self.config.algorithm.use_kl_in_reward:  # the in-reward KL reads old_log_probs
+        elif self.config.algorithm.use_kl_in_reward or self.config.distill.enabled:  # both read old_log_probs
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         if self.config.use_reference:
             with timer("ref", timing):
                 outs.append(self.roles.actor_rollout.compute_ref_log_prob(batch))
+        if self.roles.teacher is not None:  # on-policy distillation (tinyzero.algorithms.distill)
+            with timer("teacher", timing):
+                outs.append(self.roles.teacher.compute_teacher_log_prob(batch))
         if self.roles.critic is not None:
             with timer("values", timing):
                 outs.append(self.roles.critic.compute_values(batch))
@@ -163,7 +167,8 @@ class PPOTrainer(Driver):
         if arr.rollout.use_rollout_log_probs:
             return "rollout"
         one_step = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == self.config.data.train_batch_size
-        if one_step and not self.config.algorithm.use_kl_in_reward:
+        # The in-reward KL and distillation read the student's log-probs before the update.
+        if one_step and not self.config.algorithm.use_kl_in_reward and not self.config.distill.enabled:
             return "update"
         return "actor"
 
@@ -249,9 +254,12 @@ class PPOTrainer(Driver):
     def compute_advantages(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
         alg = self.config.algorithm
         with timer("adv", timing):
-            return compute_advantage(batch, alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
-                                     num_repeat=self.config.actor_rollout_ref.rollout.n,
-                                     norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
+            batch = compute_advantage(batch, alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+                                      num_repeat=self.config.actor_rollout_ref.rollout.n,
+                                      norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
+            if self.config.distill.enabled:  # "advantage" mode adds the teacher's per-token signal here
+                metrics.update(apply_distillation(batch, self.config.distill))
+            return batch
 
     def update_models(self, batch: DataProto, timing: dict, metrics: dict) -> None:
         """The critic update, then the actor update (after critic_warmup steps). Both are called before
@@ -279,6 +287,9 @@ class PPOTrainer(Driver):
         if self.global_step <= self.config.trainer.critic_warmup:
             return None
         batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        distill = self.config.distill
+        if distill.enabled and distill.mode == "loss":  # the actor adds coef * KL(student || teacher)
+            batch.meta_info["distill_loss"] = {"coef": distill.coef, "kl_type": distill.loss_kl_type}
         with timer("update_actor", timing):
             return self.roles.actor_rollout.update_actor(batch)
 

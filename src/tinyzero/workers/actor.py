@@ -44,8 +44,8 @@ from tinyzero.workers.update import (
 
 # The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
 _STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
-               "actor/entropy", "actor/kl_loss")
-_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss")
+               "actor/entropy", "actor/kl_loss", "actor/distill_loss")
+_STAT_KINDS = ("loss", "token", "token", "token", "loss", "loss", "loss")
 OLD_LOG_PROB_SOURCES = ("actor", "update", "rollout")
 
 
@@ -79,8 +79,9 @@ class PPOActor(TrainedModel):
         return log_probs, entropy
 
     # ------------------------------------------------------------------ update
-    def _micro_loss(self, batch: dict, temperature: float, source: str = "actor"):
-        """Loss of one micro-batch (agg_loss-normalised over the micro-batch) and its stats."""
+    def _micro_loss(self, batch: dict, temperature: float, source: str = "actor", distill: dict | None = None):
+        """Loss of one micro-batch (agg_loss-normalised over the micro-batch) and its stats. `distill`
+        ({"coef", "kl_type"}, on-policy distillation's "loss" mode) adds coef * KL(student || teacher)."""
         from tinyzero.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
 
         cfg = self.config
@@ -113,7 +114,12 @@ class PPOActor(TrainedModel):
             kld = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)  # (b, R)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
-        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss)
+        distill_loss = zero
+        if distill is not None:
+            kld = kl_penalty(log_prob, batch["teacher_log_prob"], distill["kl_type"])  # (b, R)
+            distill_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+            loss = loss + distill["coef"] * distill_loss
+        return loss, (pg_loss, clipfrac, ppo_kl, clipfrac_lower, entropy_loss, kl_loss, distill_loss)
 
     def _mismatch_metrics(self) -> dict[str, float]:
         """training/rollout_* over the rows of all ranks seen by the first mini-batch's forwards."""
@@ -136,6 +142,8 @@ class PPOActor(TrainedModel):
             keys.append("old_log_probs")
         if self.config.use_kl_loss:
             keys.append("ref_log_prob")
+        if "distill_loss" in data.meta_info:
+            keys.append("teacher_log_prob")
         if self.config.tis_imp_ratio_cap > 0 or source == "rollout" or (
                 source == "update" and "rollout_log_probs" in data.batch):
             keys.append("rollout_log_probs")
@@ -159,6 +167,7 @@ class PPOActor(TrainedModel):
         self.model.train()
         temperature = float(data.meta_info.get("temperature", 1.0))
         source = self._old_log_prob_source(data, rows_per_mini_batch)
+        distill = data.meta_info.get("distill_loss")  # {"coef", "kl_type"} in distillation's "loss" mode
         keys = self._batch_keys(data, source)
         missing = [k for k in keys if k not in data.batch]
         if missing:
@@ -179,7 +188,7 @@ class PPOActor(TrainedModel):
                 self.optimizer.zero_grad(set_to_none=True)
                 stats_sum += accumulate_gradients(
                     micros, mini.batch["response_mask"], cfg.loss_agg_mode,
-                    lambda batch: self._micro_loss(batch, temperature, source), _STAT_KINDS, self.device,
+                    lambda batch: self._micro_loss(batch, temperature, source, distill), _STAT_KINDS, self.device,
                     self.dp_size, self.dp_group)
                 if self._seen is not None:  # measured before the first optimizer step only
                     mismatch = self._mismatch_metrics()
@@ -194,5 +203,7 @@ class PPOActor(TrainedModel):
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         else:
             metrics.pop("actor/kl_loss")
+        if distill is None:
+            metrics.pop("actor/distill_loss")
         metrics.update(update_step_metrics("actor", steps, lr))
         return metrics
