@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinyzero.rewards.judge_config import JudgeConfig
 from tinyzero.rewards.sandbox_config import SandboxConfig
 
 __all__ = ["CustomRewardFunctionConfig", "OverlongBufferConfig", "RewardConfig", "RewardManagerName",
@@ -100,7 +101,12 @@ class RewardConfig:
     """How programs run for code rewards (codecontests, apps, codeforces, taco): limits, isolation, or
     a SandboxFusion server (veRL: reward_model.sandbox_fusion)."""
 
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM as judge for the data_sources it names (off by default; see docs/judge.md)."""
+
     def __post_init__(self):
+        if isinstance(self.judge, dict):
+            self.judge = JudgeConfig(**self.judge)
         if isinstance(self.overlong_buffer, dict):
             self.overlong_buffer = OverlongBufferConfig(**self.overlong_buffer)
         if isinstance(self.sandbox, dict):

@@ -59,6 +59,7 @@ from tinyzero.rewards.config import (
     OverlongBufferConfig,
     RewardConfig,
 )
+from tinyzero.rewards.judge import Judge
 from tinyzero.rewards.overlong import apply_overlong_penalty, overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
 from tinyzero.rewards.scoring import ScorerSpec, ScoringPool, score_tasks
@@ -243,19 +244,43 @@ class RewardManager:
             load_custom_fn(self.spec.custom_fn, what=what)  # fail at start-up on a bad path / name
         self._pool: ScoringPool | None = None
         self._printed: set[str] = set()  # warnings already printed (each kind once per manager)
+        self._judge = Judge(self.config.judge) if self.config.judge.enable else None
+        self._judge_time = 0.0
 
     def check_data_sources(self, data_sources) -> None:
         """Raise ValueError now if any data_source has no scorer (call before training)."""
-        check_data_sources(data_sources, self.spec.custom_fn)
+        check_data_sources([d for d in data_sources if not self.config.judge.judges(str(d))], self.spec.custom_fn)
 
     # ------------------------------------------------------------------ scoring
     def _scorer_name(self, data_source: str) -> str:
+        if self._judge is not None and self.config.judge.judges(data_source):
+            return f"{self._judge.name} (reward.judge)"
         if self.spec.custom_fn:
             what = "reward.custom_fn" if self.spec.call == "positional" else "custom_reward_function"
             return f"{what} {self.spec.custom_fn}"
         return f"the built-in scorer of data_source {data_source!r}"
 
-    def _score(self, tasks: list) -> tuple[list[dict], bool]:
+    def _score(self, tasks: list, prompts: list[str] | None) -> tuple[list[dict], bool]:
+        """The judge's results for the samples of the data_sources it scores, the rule scorers' for the rest."""
+        if self._judge is None:
+            return self._score_rules(tasks)
+        judged = [i for i, t in enumerate(tasks) if self.config.judge.judges(t[0])]
+        ruled = [i for i, t in enumerate(tasks) if not self.config.judge.judges(t[0])]
+        results: list[dict] = [{}] * len(tasks)
+        parallel = False
+        if ruled:
+            rule_results, parallel = self._score_rules([tasks[i] for i in ruled])
+            for i, r in zip(ruled, rule_results):
+                results[i] = r
+        start = time.perf_counter()
+        judge_results = self._judge.score([prompts[i] if prompts else "" for i in judged],
+                                          [tasks[i][1] for i in judged], [tasks[i][2] for i in judged])
+        self._judge_time = time.perf_counter() - start
+        for i, r in zip(judged, judge_results):
+            results[i] = r
+        return results, parallel
+
+    def _score_rules(self, tasks: list) -> tuple[list[dict], bool]:
         cfg, custom = self.config, bool(self.spec.custom_fn)
         pooled = custom or (cfg.num_workers > 0 and len(tasks) >= cfg.parallel_min_batch)
         if not pooled:
@@ -281,12 +306,12 @@ class RewardManager:
         chunk = max(1, len(tasks)) if self.spec.call == "batch" else 1 if custom else None
         return self._pool.score(tasks, chunk_size=chunk, on_progress=on_progress), True
 
-    def _score_sharded(self, tasks: list) -> tuple[list[dict], bool]:
+    def _score_sharded(self, tasks: list, prompts: list[str] | None = None) -> tuple[list[dict], bool]:
         """Every sample scored once across the ranks; every rank gets every result."""
         rank, world = _rank(), _world()
         shard = tasks[rank::world]
         try:
-            local, parallel = self._score(shard)
+            local, parallel = self._score(shard, prompts[rank::world] if prompts is not None else None)
         except Exception as e:  # noqa: BLE001 - e.g. a worker that cannot start: every rank must learn of it
             error = {"score": 0.0, "acc": False, "formatted": False, "extra": {},
                      "error": f"{type(e).__name__}: {e}"[:500], "timeout": False,
@@ -367,9 +392,11 @@ class RewardManager:
             if not isinstance(rm, dict) or "ground_truth" not in rm:
                 raise ValueError(f"row {i}: reward_model must be a dict with 'ground_truth', got {rm!r}"[:300])
             tasks.append((str(nt["data_source"][i]), texts[i], rm["ground_truth"], self._extra_info(nt, i)))
-        results, parallel = self._score_sharded(tasks)
+        self._judge_time = 0.0
+        results, parallel = self._score_sharded(tasks, self._judge_prompts(data) if self._judge is not None else None)
         self._check_results(tasks, results)
-        results = [{k: v for k, v in r.items() if k not in ("traceback", "gave_up")} for r in results]
+        judge_states = [r.get("judge") for r in results]
+        results = [{k: v for k, v in r.items() if k not in ("traceback", "gave_up", "judge")} for r in results]
         if self.manager == "prime":
             for r in results:
                 r["extra"] = {}
@@ -405,6 +432,11 @@ class RewardManager:
                 sample = {"prompt": prompts[i], **sample}
             samples.append(sample)
         metrics["reward/parallel"] = float(parallel)
+        if self._judge is not None:
+            metrics["reward/judge_count"] = float(sum(s is not None for s in judge_states))
+            metrics["reward/judge_parse_errors"] = float(sum(s == "parse_error" for s in judge_states))
+            metrics["reward/judge_failures"] = float(sum(s == "failed" for s in judge_states))
+            metrics["timing_s/reward_judge"] = self._judge_time
         metrics["timing_s/reward"] = time.perf_counter() - start
         self._examine(samples)
         return RewardOutput(token_level_scores=token_level_scores, scores=scores.to(responses.device),
@@ -425,7 +457,20 @@ class RewardManager:
         return row
 
     # ------------------------------------------------------------------ helpers
-    def _decode_prompts(self, data) -> list[str] | None:
+    def _judge_prompts(self, data) -> list[str]:
+        """The prompt the judge sees per sample: the last user message of `raw_prompt` (data.return_raw_chat),
+        else the prompt tokens decoded without special tokens."""
+        raw = data.non_tensor_batch.get("raw_prompt")
+        if raw is not None:
+            texts = []
+            for messages in raw:
+                users = [m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+                texts.append(str(users[-1]) if users else "\n".join(str(m.get("content", "")) for m in messages))
+            return texts
+        decoded = self._decode_prompts(data, skip_special_tokens=True)
+        return [""] * len(data.batch["responses"]) if decoded is None else [t.strip() for t in decoded]
+
+    def _decode_prompts(self, data, skip_special_tokens: bool = False) -> list[str] | None:
         if "prompts" not in data.batch:
             return None
         prompts = data.batch["prompts"].detach().cpu()
@@ -434,7 +479,7 @@ class RewardManager:
             ids = [prompts[i][valid[i]].tolist() for i in range(prompts.shape[0])]
         else:
             ids = prompts.tolist()
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
     @staticmethod
     def _metrics(tasks: list, results: list[dict]) -> dict[str, float]:

@@ -1,0 +1,89 @@
+"""JudgeConfig: an LLM as judge for open-ended data (`reward.judge`; see docs/judge.md).
+
+    reward.judge.enable=true reward.judge.data_sources=[open_qa] reward.judge.model_path=/models/judge
+    reward.judge.enable=true reward.judge.url=http://judge-host:8000 reward.judge.timeout_s=30
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["JudgeConfig"]
+
+
+@dataclass
+class JudgeConfig:
+    enable: bool = False
+    """Score the samples of `data_sources` with a judge model instead of their rule scorer."""
+
+    data_sources: list[str] = field(default_factory=list)
+    """data_source names the judge scores; the others keep their rule scorers in the same batch.
+    Empty: the judge scores every data_source."""
+
+    model_path: str | None = None
+    """In-process judge: a local HF causal LM folder, loaded frozen on every rank (greedy decoding)."""
+
+    url: str | None = None
+    """Remote judge: the base URL of an OpenAI-compatible server (e.g. `vllm serve`), such as
+    http://host:8000 (a trailing /v1 is accepted). Set this or model_path, not both."""
+
+    model: str | None = None
+    """Remote judge: the "model" field of each request; None asks the server's /v1/models for its first."""
+
+    api: Literal["chat", "completions"] = "chat"
+    """Remote judge: /v1/chat/completions (the server applies its chat template) or /v1/completions
+    (the messages' contents joined as plain text)."""
+
+    template: str = "default"
+    """Judge template: a registered name (tinyzero.rewards.judge_prompts) or path/to/file.py:function."""
+
+    parser: str = "default"
+    """Score parser: a registered name (tinyzero.rewards.judge_prompts) or path/to/file.py:function."""
+
+    max_new_tokens: int = 128
+    """Tokens the judge may write per sample."""
+
+    batch_size: int = 16
+    """In-process judge: samples per generate call."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """In-process judge: weight dtype; auto is bfloat16 on GPU and float32 on CPU."""
+
+    concurrency: int = 8
+    """Remote judge: requests in flight at once per rank."""
+
+    timeout_s: float = 60.0
+    """Remote judge: seconds to wait for one answer; past it the request counts as failed and is retried."""
+
+    retries: int = 3
+    """Remote judge: attempts per request on a connection error, a timeout, HTTP 5xx / 408 / 429. A
+    request that fails them all is a reward fault (reward.on_error)."""
+
+    def __post_init__(self):
+        if isinstance(self.data_sources, str):
+            self.data_sources = [self.data_sources]
+        self.data_sources = [str(d) for d in self.data_sources]
+        for name in ("max_new_tokens", "batch_size", "concurrency", "retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reward.judge.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.judge.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.judge.url must be an http(s) URL such as http://host:8000, got {self.url!r}")
+        if self.enable and (self.model_path is None) == (self.url is None):
+            raise ValueError("reward.judge.enable=true needs exactly one of reward.judge.model_path (a local HF "
+                             "model, run in-process) or reward.judge.url (an OpenAI-compatible server); got "
+                             f"model_path={self.model_path!r}, url={self.url!r}")
+        if self.enable:
+            from tinyzero.rewards.judge_prompts import JUDGE_PARSERS, JUDGE_TEMPLATES
+
+            for setting, value, table in (("template", self.template, JUDGE_TEMPLATES),
+                                          ("parser", self.parser, JUDGE_PARSERS)):
+                if value not in table and not value.rpartition(":")[0].endswith(".py"):
+                    raise ValueError(f"reward.judge.{setting}={value!r} is not a registered name; choose one of "
+                                     f"{sorted(table)} or give path/to/file.py:function")
+
+    def judges(self, data_source: str) -> bool:
+        """Whether the judge scores samples of this data_source."""
+        return self.enable and (not self.data_sources or data_source in self.data_sources)

@@ -1,0 +1,308 @@
+"""LLM as judge: parsers, the remote backend against a real local HTTP server, the in-process backend
+against plain HF generate, and judge scores through the RewardManager into GRPO advantages."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.test_rewards_manager import _batch
+from tinyzero.algorithms.advantages import compute_grpo_outcome_advantage
+from tinyzero.rewards import RewardConfig, RewardManager
+from tinyzero.rewards.judge import HFJudgeBackend, Judge, JudgeError, RemoteJudgeBackend
+from tinyzero.rewards.judge_config import JudgeConfig
+from tinyzero.rewards.judge_prompts import JudgeParseError, default_parser, last_number_parser, yes_no_parser
+from tinyzero.rewards.manager import RewardError
+
+
+# ---------------------------------------------------------------------------------------------- parsers
+@pytest.mark.parametrize("text,score", [
+    ("The answer is right.\nScore: 7", 0.7),
+    ("**Score:** 8", 0.8),
+    ("Score: 7.5/10", 0.75),
+    ("score = 3", 0.3),
+    ("I first thought Score: 2, but on reflection\nScore: 9", 0.9),
+    ("Between 3 and 5 steps are shown. Score: 0", 0.0),
+    ("SCORE:10", 1.0),
+    ("No explicit score line, I'd give it 6", 0.6),
+    ("Rating 4 of the answer, final: 10.", 1.0),
+])
+def test_default_parser_reads_the_score(text, score):
+    assert default_parser(text) == pytest.approx(score, abs=1e-12)
+
+
+@pytest.mark.parametrize("text", ["", "Score: eleven", "Score: 11", "Score: -1", "Score: 4/5", "no digits here",
+                                  "I give it 42"])
+def test_default_parser_refuses_what_holds_no_valid_score(text):
+    with pytest.raises(JudgeParseError):
+        default_parser(text)
+
+
+def test_other_parsers():
+    assert last_number_parser("scores: 2, 3, then 5") == 0.5
+    assert yes_no_parser("Yes, it is correct. No doubt.") == 1.0
+    assert yes_no_parser("no.") == 0.0
+    with pytest.raises(JudgeParseError):
+        yes_no_parser("Maybe; yesterday it was.")
+
+
+# ---------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kwargs,text", [
+    ({"enable": True}, "exactly one of reward.judge.model_path"),
+    ({"enable": True, "url": "http://x:1", "model_path": "/m"}, "exactly one of"),
+    ({"enable": True, "url": "x:1"}, "reward.judge.url must be an http(s) URL"),
+    ({"enable": True, "url": "http://x:1", "parser": "nope"}, "reward.judge.parser='nope' is not a registered"),
+    ({"concurrency": 0}, "reward.judge.concurrency must be >= 1"),
+    ({"timeout_s": 0}, "reward.judge.timeout_s must be > 0"),
+])
+def test_config_errors_name_the_setting(kwargs, text):
+    with pytest.raises(ValueError, match=re.escape(text)):
+        JudgeConfig(**kwargs)
+
+
+def test_judge_settings_from_the_command_line():
+    from tinyzero.config.parse import parse_args
+
+    cfg = parse_args(["--preset", "demo_cpu", "--reward.judge.enable", "true", "--reward.judge.url",
+                      "http://127.0.0.1:9", "--reward.judge.data_sources", "open_qa", "chat"])
+    assert cfg.reward.judge.enable and cfg.reward.judge.data_sources == ["open_qa", "chat"]
+    assert cfg.reward.judge.judges("chat") and not cfg.reward.judge.judges("arithmetic")
+
+
+# ---------------------------------------------------------------------------------------------- a judge server
+def judge_rule(user_text: str) -> str:
+    """The server's deterministic judgement: 10 when the answer section says 4, 2 otherwise; "???" (no score)
+    when the answer says "confuse"."""
+    answer = user_text.split("[Assistant's answer]\n", 1)[-1].split("\n\n", 1)[0]
+    if "confuse" in answer:
+        return "I cannot decide."
+    return "Correct.\nScore: 10" if re.search(r"\b4\b", answer) else "Wrong.\nScore: 2"
+
+
+class JudgeServer:
+    """A stdlib HTTP server speaking OpenAI's /v1/models, /v1/chat/completions and /v1/completions."""
+
+    def __init__(self, fail_first: int = 0, hang_s: float = 0.0):
+        self.fail_first, self.hang_s = fail_first, hang_s
+        self.requests, self.in_flight, self.max_in_flight = 0, 0, 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, code: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply(200, {"object": "list", "data": [{"id": "judge-model", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.requests += 1
+                    n = server.requests
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    time.sleep(0.05)  # let requests overlap, so concurrency is observable
+                    if server.hang_s:
+                        time.sleep(server.hang_s)
+                    if n <= server.fail_first:
+                        return self._reply(503, {"error": "warming up"})
+                    if body.get("model") != "judge-model" or body.get("temperature") != 0.0:
+                        return self._reply(400, {"error": f"bad request {body}"})
+                    if self.path == "/v1/chat/completions":
+                        text = judge_rule(body["messages"][-1]["content"])
+                        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+                    else:
+                        choice = {"index": 0, "text": judge_rule(body["prompt"])}
+                    self._reply(200, {"object": "chat.completion", "choices": [choice]})
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = JudgeServer()
+    yield s
+    s.close()
+
+
+PROMPTS = ["What is 2 + 2?"] * 4 + ["Name a colour."] * 2
+RESPONSES = ["4", "It is 4.", "5", "confuse me", "4 apples", "blue"]
+EXPECTED = [1.0, 1.0, 0.2, None, 1.0, 0.2]  # None: unparsable
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_remote_judge_scores_and_bounds_concurrency(server, api):
+    judge = Judge(JudgeConfig(enable=True, url=server.url + "/v1", api=api, concurrency=2))
+    results = judge.score(PROMPTS, RESPONSES, ["4"] * 4 + [None] * 2)
+    assert [r["score"] if r["judge"] == "ok" else None for r in results] == EXPECTED
+    assert results[3]["judge"] == "parse_error" and "found no score" in results[3]["error"]
+    assert results[0]["extra"]["judge_output"] == "Correct.\nScore: 10"
+    assert server.requests == len(PROMPTS) and 1 <= server.max_in_flight <= 2
+
+
+def test_remote_judge_retries_transient_errors():
+    s = JudgeServer(fail_first=2)
+    try:
+        judge = Judge(JudgeConfig(enable=True, url=s.url, concurrency=1, retries=3))
+        assert [r["score"] for r in judge.score(["q"], ["4"], [None])] == [1.0]
+        assert s.requests == 3
+        s.fail_first, s.requests = 10, 0
+        [r] = Judge(JudgeConfig(enable=True, url=s.url, retries=2)).score(["q"], ["4"], [None])
+        assert r["judge"] == "failed" and "no answer after 2 attempt(s)" in r["error"] and "503" in r["error"]
+    finally:
+        s.close()
+
+
+def test_a_hanging_judge_times_out_in_bounded_time():
+    s = JudgeServer(hang_s=30)
+    try:
+        cfg = JudgeConfig(enable=True, url=s.url, model="judge-model", timeout_s=0.5, retries=2, concurrency=4)
+        start = time.monotonic()
+        results = Judge(cfg).score(["q"] * 4, ["4"] * 4, [None] * 4)
+        elapsed = time.monotonic() - start
+        # 2 attempts of 0.5 s and one 0.25 s back-off, all 4 requests at once; generous slack for a busy CPU.
+        assert elapsed < 4.0, elapsed
+        assert all(r["judge"] == "failed" and r["timeout"] for r in results)
+        assert "timed out" in results[0]["error"] and s.url in results[0]["error"]
+    finally:
+        s.close()
+
+
+def test_a_dead_judge_is_named():
+    s = JudgeServer()
+    s.close()
+    with pytest.raises(JudgeError, match="the judge server http://127.0.0.1"):
+        RemoteJudgeBackend(JudgeConfig(enable=True, url=s.url, retries=1)).model()
+
+
+# ---------------------------------------------------------------------------------------------- RewardManager
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _judged_batch(tokenizer):
+    samples = [("open_qa", r, "4" if i < 4 else "", {}) for i, r in enumerate(RESPONSES)]
+    samples += [("arithmetic", "19", "19", {"answer_format": "plain"}),
+                ("arithmetic", "18", "19", {"answer_format": "plain"})]
+    batch, lengths = _batch(tokenizer, samples)
+    batch.non_tensor_batch["raw_prompt"] = np.array(
+        [[{"role": "user", "content": p}] for p in PROMPTS + ["19?", "19?"]], dtype=object)
+    return batch, lengths
+
+
+def test_judge_and_rules_in_one_batch_reach_the_advantages(server, tokenizer):
+    cfg = RewardConfig(on_error="zero", judge=JudgeConfig(enable=True, url=server.url, data_sources=["open_qa"]))
+    manager = RewardManager(tokenizer, cfg)
+    manager.check_data_sources(["open_qa", "arithmetic"])  # the judged source needs no rule scorer
+    batch, lengths = _judged_batch(tokenizer)
+    out = manager(batch)
+    expected = [1.0, 1.0, 0.2, 0.0, 1.0, 0.2, 1.0, 0.1]  # the judge's, then the arithmetic rule's (0.1 = formatted)
+    assert out.scores.tolist() == pytest.approx(expected, abs=1e-7)
+    assert out.metrics["reward/judge_parse_errors"] == 1.0 and out.metrics["reward/judge_count"] == 6.0
+    assert out.metrics["reward/num_errors"] == 1.0 and out.metrics["timing_s/reward_judge"] > 0
+    assert out.reward_extra_info["judge_output"][6] is None  # rule-scored rows have no judge reply
+    # GRPO advantages from the judge's scores, against a float64 reference of (s - mean) / (std + eps).
+    index = np.array([0, 0, 0, 0, 1, 1, 2, 2], dtype=object)
+    mask = batch.batch["response_mask"]
+    adv, _ = compute_grpo_outcome_advantage(out.token_level_scores, mask, index)
+    ref = torch.zeros(len(expected), dtype=torch.float64)
+    s = torch.tensor(expected, dtype=torch.float64)
+    for g in (0, 1, 2):
+        members = torch.tensor([i for i in range(len(index)) if index[i] == g])
+        ref[members] = (s[members] - s[members].mean()) / (s[members].std() + 1e-6)
+    torch.testing.assert_close(adv[:, 0].double(), ref, atol=1e-5, rtol=0)
+    assert adv[2, 0] < 0 < adv[0, 0]
+
+
+def test_judge_faults_follow_on_error(tokenizer, server):
+    batch, _ = _judged_batch(tokenizer)
+    strict = RewardManager(tokenizer, RewardConfig(judge=JudgeConfig(enable=True, url=server.url,
+                                                                     data_sources=["open_qa"])))
+    with pytest.raises(RewardError, match=r"judge server .*\(reward\.judge\) failed on sample 3"):
+        strict(batch)
+    hung = JudgeServer(hang_s=30)
+    try:
+        cfg = RewardConfig(on_error="zero", judge=JudgeConfig(enable=True, url=hung.url, model="m", timeout_s=0.3,
+                                                              retries=1, data_sources=["open_qa"]))
+        out = RewardManager(tokenizer, cfg)(batch)
+        assert out.scores.tolist()[:6] == [0.0] * 6 and out.scores.tolist()[6] == pytest.approx(1.0)
+        assert out.metrics["reward/judge_failures"] == 6.0 and out.metrics["reward/num_timeouts"] == 6.0
+    finally:
+        hung.close()
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+def _reference_replies(path: str, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """Plain HF generate, one conversation at a time (no padding), greedy."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    replies = []
+    for messages in conversations:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                                 temperature=None, top_p=None, top_k=None)
+        replies.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return replies
+
+
+def _in_process_matches_reference(path: str, max_new_tokens: int, batch_size: int):
+    cfg = JudgeConfig(enable=True, model_path=path, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                      dtype="float32")
+    judge = Judge(cfg, backend=HFJudgeBackend(cfg, device=torch.device("cpu")))
+    refs = ["4"] * 4 + [None] * 2
+    results = judge.score(PROMPTS, RESPONSES, refs)
+    convs = [judge.template(p, r, g) for p, r, g in zip(PROMPTS, RESPONSES, refs)]
+    expected_replies = _reference_replies(path, convs, max_new_tokens)
+    assert [r["extra"]["judge_output"] for r in results] == expected_replies
+    expected = []
+    for reply in expected_replies:
+        try:
+            expected.append(default_parser(reply))
+        except JudgeParseError:
+            expected.append(None)
+    assert [r["score"] if r["judge"] == "ok" else None for r in results] == expected
+    return results
+
+
+def test_in_process_judge_matches_plain_generate_tiny(tiny_model_dir):
+    _in_process_matches_reference(tiny_model_dir, max_new_tokens=8, batch_size=4)
+
+
+@pytest.mark.slow
+def test_in_process_smollm2_judge_matches_plain_generate(smollm2_path):
+    results = _in_process_matches_reference(smollm2_path, max_new_tokens=48, batch_size=6)
+    print("SmolLM2 judge:", [(r["score"], r["extra"]["judge_output"]) for r in results])
