@@ -1,4 +1,4 @@
-"""Run the reference TRL harness in TRL's bf16 mixed precision, the harness otherwise unchanged.
+"""Run the TRL harness (bench/trl/grpo_cpu.py) in TRL's bf16 mixed precision, otherwise unchanged.
 
     python -m torch.distributed.run --nproc_per_node 2 bench/trl_bf16.py HARNESS [harness flags]
 

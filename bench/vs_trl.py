@@ -5,9 +5,11 @@
     python bench/vs_trl.py --model DIR ...      # any HF folder with a chat template
 
 TRL runs from its own virtual environment (`--trl-python`; TRL is never a tinyzero dependency)
-through the reference harness `--trl-harness` (default ../shared/bench-trl/trl_grpo_cpu.py from the
-repository root; its README has the environment recipe). tinyzero runs `train.py` under torchrun
-with the same model folder and the same work per optimizer step:
+through the harness `--trl-harness` (default bench/trl/grpo_cpu.py; bench/trl/README.md has the
+environment recipe). tinyzero runs `train.py` under torchrun with the same model folder and the
+same work per optimizer step:
+  model     `tiny`: tinyzero's offline tiny Qwen2 (tinyzero.models.tiny, hidden 128, seed 0, ChatML
+            chat template), written into the work folder; or SmolLM2-135M-Instruct, or a folder;
   prompts   the harness's own `make_prompts` (read from its source), one chat message each, rendered
             with the chat template; written to a parquet;
   sampling  8 prompts x 4 samples, <= 64 new tokens, stop at eos, temperature 1, top_p 1, top_k off;
@@ -45,7 +47,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_HARNESS = os.path.join(ROOT, "..", "shared", "bench-trl", "trl_grpo_cpu.py")
+DEFAULT_HARNESS = os.path.join(ROOT, "bench", "trl", "grpo_cpu.py")
 DATA_SOURCE = "answer_tag"
 
 
@@ -64,7 +66,7 @@ def harness_make_prompts(harness: str):
         tree = ast.parse(f.read(), harness)
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_prompts"]
     if not fns:
-        raise ValueError(f"{harness} defines no make_prompts(n, seed); pass the trl_grpo_cpu.py harness")
+        raise ValueError(f"{harness} defines no make_prompts(n, seed); pass bench/trl/grpo_cpu.py")
     namespace: dict = {}
     module = ast.fix_missing_locations(ast.Module(body=[ast.Import(names=[ast.alias("random")]), *fns],
                                                   type_ignores=[]))
@@ -84,13 +86,13 @@ def write_prompts(harness: str, path: str, num_rows: int, seed: int) -> str:
     return path
 
 
-def prepare_model(name: str, trl_python: str, harness: str, work: str, smollm2_dir: str) -> str:
-    """The model folder both sides load: the harness's tiny model, SmolLM2-135M-Instruct, or a path."""
+def prepare_model(name: str, work: str, smollm2_dir: str) -> str:
+    """The model folder both sides load: tinyzero's offline tiny model, SmolLM2-135M-Instruct, or a path."""
     if name == "tiny":
-        out = os.path.join(work, "tiny_model")
-        maker = os.path.join(os.path.dirname(os.path.abspath(harness)), "make_tiny_model.py")
-        subprocess.run([trl_python, maker, "--out", out], check=True, capture_output=True, text=True, timeout=600)
-        return out
+        from tinyzero.models.tiny import build_tiny_model
+
+        # hidden 128: about 0.33M parameters, the size of the tiny figures in bench/RESULTS.md
+        return build_tiny_model(os.path.join(work, "tiny_model"), seed=0, hidden_size=128)
     if name == "smollm2":
         if not os.path.isfile(os.path.join(smollm2_dir, "model.safetensors")):
             from tinyzero.models.from_gguf import convert
@@ -256,9 +258,9 @@ def _side_summary(runs: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny (the harness's random Qwen2), smollm2, or an HF folder")
+    p.add_argument("--model", default="tiny", help="tiny (tinyzero's offline random Qwen2), smollm2, or an HF folder")
     p.add_argument("--trl-python", required=True, help="python of the virtual environment that has TRL")
-    p.add_argument("--trl-harness", default=DEFAULT_HARNESS, help="the reference trl_grpo_cpu.py")
+    p.add_argument("--trl-harness", default=DEFAULT_HARNESS, help="the TRL side's script (it defines make_prompts)")
     p.add_argument("--smollm2-dir", default=os.path.join(ROOT, "runs", "real", "smollm2-135m-instruct"),
                    help="where SmolLM2-135M-Instruct is (converted there with from_gguf when missing)")
     p.add_argument("--rounds", type=int, default=2, help="TRL, ours pairs")
@@ -284,7 +286,7 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for models, data, logs (default: a temporary one)")
     args = p.parse_args()
     if not os.path.isfile(args.trl_python):
-        p.error(f"--trl-python {args.trl_python} does not exist (see the harness README for the venv)")
+        p.error(f"--trl-python {args.trl_python} does not exist (bench/trl/README.md makes that environment)")
     if not os.path.isfile(args.trl_harness):
         p.error(f"--trl-harness {args.trl_harness} does not exist")
     if args.rounds < 1 or args.steps < 1 or args.warmup < 1:
@@ -292,7 +294,7 @@ def main() -> None:
 
     work = args.work or tempfile.mkdtemp(prefix="tinyzero-vs-trl-")
     os.makedirs(work, exist_ok=True)
-    model = prepare_model(args.model, args.trl_python, args.trl_harness, work, args.smollm2_dir)
+    model = prepare_model(args.model, work, args.smollm2_dir)
     # As many prompts as the harness draws, so both sides sample from the same set.
     num_prompts = max(256, (args.warmup + args.steps) * 8 * 2)
     data = write_prompts(args.trl_harness, os.path.join(work, "prompts.parquet"), num_prompts, args.seed)
