@@ -32,15 +32,13 @@ from tinyzero.rewards.manager import RewardError
     ("I first thought Score: 2, but on reflection\nScore: 9", 0.9),
     ("Between 3 and 5 steps are shown. Score: 0", 0.0),
     ("SCORE:10", 1.0),
-    ("No explicit score line, I'd give it 6", 0.6),
-    ("Rating 4 of the answer, final: 10.", 1.0),
 ])
 def test_default_parser_reads_the_score(text, score):
     assert default_parser(text) == pytest.approx(score, abs=1e-12)
 
 
 @pytest.mark.parametrize("text", ["", "Score: eleven", "Score: 11", "Score: -1", "Score: 4/5", "no digits here",
-                                  "I give it 42"])
+                                  "I'd give it 6 (no score line)", "The answer is 4."])
 def test_default_parser_refuses_what_holds_no_valid_score(text):
     with pytest.raises(JudgeParseError):
         default_parser(text)
@@ -48,6 +46,9 @@ def test_default_parser_refuses_what_holds_no_valid_score(text):
 
 def test_other_parsers():
     assert last_number_parser("scores: 2, 3, then 5") == 0.5
+    assert last_number_parser("Rating 4 of the answer, final: 10.") == 1.0
+    with pytest.raises(JudgeParseError):
+        last_number_parser("I give it 42")
     assert yes_no_parser("Yes, it is correct. No doubt.") == 1.0
     assert yes_no_parser("no.") == 0.0
     with pytest.raises(JudgeParseError):
@@ -90,8 +91,8 @@ def judge_rule(user_text: str) -> str:
 class JudgeServer:
     """A stdlib HTTP server speaking OpenAI's /v1/models, /v1/chat/completions and /v1/completions."""
 
-    def __init__(self, fail_first: int = 0, hang_s: float = 0.0):
-        self.fail_first, self.hang_s = fail_first, hang_s
+    def __init__(self, fail_first: int = 0, hang_s: float = 0.0, rule=judge_rule):
+        self.fail_first, self.hang_s, self.rule = fail_first, hang_s, rule
         self.requests, self.in_flight, self.max_in_flight = 0, 0, 0
         self.lock = threading.Lock()
         server = self
@@ -127,10 +128,10 @@ class JudgeServer:
                     if body.get("model") != "judge-model" or body.get("temperature") != 0.0:
                         return self._reply(400, {"error": f"bad request {body}"})
                     if self.path == "/v1/chat/completions":
-                        text = judge_rule(body["messages"][-1]["content"])
+                        text = server.rule(body["messages"][-1]["content"])
                         choice = {"index": 0, "message": {"role": "assistant", "content": text}}
                     else:
-                        choice = {"index": 0, "text": judge_rule(body["prompt"])}
+                        choice = {"index": 0, "text": server.rule(body["prompt"])}
                     self._reply(200, {"object": "chat.completion", "choices": [choice]})
                 finally:
                     with server.lock:
@@ -306,3 +307,41 @@ def test_in_process_judge_matches_plain_generate_tiny(tiny_model_dir):
 def test_in_process_smollm2_judge_matches_plain_generate(smollm2_path):
     results = _in_process_matches_reference(smollm2_path, max_new_tokens=48, batch_size=6)
     print("SmolLM2 judge:", [(r["score"], r["extra"]["judge_output"]) for r in results])
+
+
+# ---------------------------------------------------------------------------------------------- train.py
+def demo_judge_rule(user_text: str) -> str:
+    """The demo's judge: 10 for the reference sum, 1 for another number, 0 for no number (the arithmetic rule's
+    1 / 0.1 / 0, on the judge's 0..10 scale)."""
+    reference = user_text.split("[Reference answer]\n", 1)[1].split("\n\n", 1)[0].strip()
+    answer = user_text.split("[Assistant's answer]\n", 1)[1].split("\n\n", 1)[0].strip()
+    if not re.fullmatch(r"-?\d+", answer):
+        return "Score: 0"
+    return "Score: 10" if answer == reference else "Score: 1"
+
+
+@pytest.mark.slow
+def test_grpo_learns_from_a_remote_judge_through_train_py(tmp_path, tiny_model_dir):
+    """The demo task with the judge as its only reward (a judge server in this process, 2 CPU ranks)."""
+    from tests.test_e2e_train import _rl_args, _val, torchrun
+    from tinyzero.demo import build_data
+    from tinyzero.trainer.loggers import read_metrics
+
+    s = JudgeServer(rule=demo_judge_rule)
+    try:
+        build_data(str(tmp_path / "data"))
+        torchrun(["sft", "--preset", "demo_cpu_sft", f"--data.train_files={tmp_path}/data/sft.parquet",
+                  f"--actor_rollout_ref.model.path={tiny_model_dir}", f"--trainer.default_local_dir={tmp_path}/sft",
+                  "--trainer.total_training_steps=60", "--trainer.plot=false"])
+        torchrun(_rl_args(tmp_path, "judge", "--trainer.total_training_steps=15", "--trainer.test_freq=15",
+                          "--reward.judge.enable=true", f"--reward.judge.url={s.url}",
+                          "--reward.judge.data_sources=arithmetic", "--reward.judge.max_new_tokens=8"))
+    finally:
+        s.close()
+    rows = read_metrics(str(tmp_path / "judge"))
+    train = [r for r in rows if "reward/judge_count" in r and "timing_s/reward_judge" in r]
+    assert train and all(r["reward/judge_parse_errors"] == 0 and r["reward/judge_count"] > 0 for r in train)
+    assert s.requests >= sum(r["reward/judge_count"] for r in train)
+    val = _val(rows)
+    print("validation scores, judge as the reward:", val)
+    assert val[0] < 0.2 and val[-1] > 0.6, f"validation score did not rise: {val}"

@@ -17,9 +17,10 @@ Built in:
     templates  default   the prompt, the response and (when the row has one) the reference answer; asks
                          for a 0-10 rating ending in "Score: N"
                yes_no    asks whether the response answers the prompt correctly, "Yes" or "No"
-    parsers    default   the last "Score: N" (N in 0..10, "N/10" accepted), else the last number in the
-                         reply if it lies in 0..10; N / 10
-               last_number  the last number in the reply, in 0..10; N / 10
+    parsers    default   the last "Score: N" (N in 0..10, "N/10" accepted); N / 10. A reply without
+                         such a line is a parse error, never a number picked from its text
+               last_number  the last number in the reply, in 0..10; N / 10 (for judges that answer
+                         with a bare number)
                yes_no    the first "yes" / "no" word: 1 / 0
 """
 
@@ -136,7 +137,7 @@ def _last_number(text: str) -> float:
 def default_parser(text: str) -> float:
     matches = list(_SCORE_LINE.finditer(text))
     if not matches:
-        return _last_number(text)
+        raise JudgeParseError(f"no 'Score: N' line in the judge's reply {text[-200:]!r}")
     m = matches[-1]
     value = float(m.group(1))
     if m.group(3) is not None and float(m.group(3)) != MAX_SCORE:
