@@ -2,7 +2,7 @@
 
 The PPO preset follows TinyZero's scripts/train_tiny_zero.sh over veRL's ppo_trainer.yaml of that
 time (fp32 actor and critic weights, no gradient checkpointing, dynamic batch sizes, no
-validation before training). docs/USAGE.md ("PPO and GRPO on countdown") lists what still
+validation before training). docs/getting-started.md ("PPO and GRPO on countdown") lists what still
 differs. The GRPO preset is ours: TinyZero's script runs PPO only.
 
     python -m tinyzero.data.preprocess.countdown --out data/countdown

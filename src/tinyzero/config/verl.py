@@ -196,7 +196,7 @@ KEYS: dict[str, Rule] = {
     "data.validation_shuffle": _refuse("validation runs in file order", "data.validation_shuffle=false", False),
     "data.trust_remote_code": _refuse("the tokenizer is loaded with the model's setting",
                                       "actor_rollout_ref.model.trust_remote_code=true", False),
-    "data.custom_cls.*": _refuse("tinyzero's RL dataset reads the RL parquet rows (docs/USAGE.md)",
+    "data.custom_cls.*": _refuse("tinyzero's RL dataset reads the RL parquet rows (docs/your-own-task.md)",
                                  "a parquet in the RL row format", None),
     "data.sampler.*": _refuse("tinyzero samples prompts with its seeded, resumable sampler",
                               "data.shuffle / data.seed", None),
