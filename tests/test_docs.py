@@ -75,10 +75,18 @@ def _known(key: str, leaves: frozenset, sections: frozenset) -> bool:
     return found is not None and found[1].action in ("rename", "convert")
 
 
+# a key written from inside its section (`rollout.sleep_level`, `fsdp_config.fsdp_size`)
+SUBSECTIONS = ("rollout", "actor", "model", "ref", "optim", "fsdp_config", "multi_turn", "policy_loss",
+               "filter_groups", "overlong_buffer", "kl_ctrl", "val_kwargs", "mixed_precision", "wrap_policy",
+               "rollout_correction", "checkpoint", "sandbox", "judge")
+SHORT_KEY = re.compile(r"`((?:{})(?:\.\w+)+)".format("|".join(SUBSECTIONS)))
+
+
 def test_every_setting_the_pages_name_exists():
     from tinyzero.config.verl import _tinyzero_keys
 
     leaves, sections = _tinyzero_keys()
+    every = leaves | sections
     bad = []
     for name in TOPIC_PAGES:
         page = DOCS / name
@@ -86,6 +94,9 @@ def test_every_setting_the_pages_name_exists():
         for lineno, line in enumerate(page.read_text().splitlines(), 1):
             for key in FLAG.findall(line):
                 if not _known(key, leaves, sections):
+                    bad.append(f"docs/{name}:{lineno}: {key}")
+            for key in SHORT_KEY.findall(line):
+                if not any(k == key or k.endswith("." + key) for k in every):
                     bad.append(f"docs/{name}:{lineno}: {key}")
     assert not bad, "settings that are not config keys (see docs/config.md):\n" + "\n".join(bad)
 
