@@ -240,3 +240,40 @@ def test_readme_module_table_follows_the_layers():
     assert {p: names[n] for p, n in LAYERS.items()} == seen
     order = [next(n for n, name in names.items() if name == layer) for layer, _ in rows]
     assert order == sorted(order), "the README's module table lists the layers bottom up"
+
+
+def _train_commands(page: str) -> list[str]:
+    """The arguments of every `train.py` command in the page's bash blocks (continuation lines joined)."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", (DOCS / page).read_text(), re.S):
+        text = re.sub(r"\\\n\s*", " ", block)
+        for line in text.splitlines():
+            line = line.split(" #")[0].strip()
+            if "train.py" in line and "..." not in line and not line.startswith("#"):
+                out.append(line.split("train.py", 1)[1].strip())
+    return out
+
+
+def test_every_train_command_of_the_pages_parses(tmp_path):
+    """Each documented command line builds a config (presets, flags, Hydra overrides), as train.py would;
+    a `--config FILE` reads a saved default config instead."""
+    import shlex
+
+    from tinyzero.config import Config
+    from tinyzero.config.parse import dump_yaml, parse_args
+
+    saved = tmp_path / "config.yaml"
+    dump_yaml(Config(), str(saved))
+    count, bad = 0, []
+    for name in TOPIC_PAGES:
+        for args in _train_commands(name):
+            count += 1
+            argv = shlex.split(args)
+            if "--config" in argv:
+                argv[argv.index("--config") + 1] = str(saved)
+            try:
+                parse_args(argv)
+            except (Exception, SystemExit) as e:
+                bad.append(f"docs/{name}: train.py {args}\n    {type(e).__name__}: {e}")
+    assert count >= 20, count
+    assert not bad, "\n".join(bad)
