@@ -166,6 +166,30 @@ class _LinearLogProbs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
+def accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (float32 or float64) += g.T @ h, one token chunk's share of the head's weight gradient.
+
+    Same-dtype operands take addmm_ directly. Low-precision ones (bf16 / fp16 on the Triton path) run as a
+    low-precision GEMM, not as float32 copies of the (chunk, V) gradient and a float32 GEMM (several times
+    slower on tensor cores, and a (chunk, V) float32 buffer): with `out_dtype` where torch has it for the
+    device (CUDA: float32 accumulation and output), else with float32 accumulation inside the GEMM and
+    the chunk's product rounded once to the operands' dtype before it is summed in grad_w's dtype.
+    Only a GPU measures the speed; the result is checked against float64 on CPU."""
+    if g.dtype == grad_w.dtype and h.dtype == grad_w.dtype:
+        grad_w.addmm_(g.T, h)
+        return
+    if g.dtype == h.dtype and g.dtype in (torch.bfloat16, torch.float16):
+        if g.is_cuda:
+            try:
+                grad_w.add_(torch.mm(g.T, h, out_dtype=grad_w.dtype))
+                return
+            except (TypeError, RuntimeError, NotImplementedError):  # torch without mm(out_dtype=) for this device
+                pass
+        grad_w.add_(g.T @ h)
+        return
+    grad_w.addmm_(g.T.to(grad_w.dtype), h.to(grad_w.dtype))
+
+
 def backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent, inv_temp, chunk, triton_path, need_h, need_w,
                     kept: list | None = None):
     """(grad hidden or None, grad weight or None) of log-probs / entropy given per-token lse and entropy.
@@ -193,7 +217,7 @@ def backward_chunks(hidden, weight, labels, lse, ent, g_lp, g_ent, inv_temp, chu
         if need_h:
             grad_h[sl] = g @ weight
         if need_w:
-            grad_w.addmm_(g.T.float(), h.float())
+            accumulate_weight_grad(grad_w, g, h)
         del logits, g
     if need_w:
         grad_w = grad_w.to(weight.dtype)

@@ -385,3 +385,24 @@ def test_linear_log_probs_many_vocab_tiles(monkeypatch):
     rh, rw = torch.autograd.grad((ref_lp * g_lp + ref_ent * g_ent).sum(), (h64, w64))
     assert_rel(gh, rh, torch.float32, "grad hidden")
     assert_rel(gw, rw, torch.float32, "grad weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weight_grad_accumulates_in_float32_without_float32_copies(dtype):
+    """The head's weight gradient over token chunks (the Triton path's accumulation) against a float64
+    sum: exact to float32 rounding for float32 chunks; for bf16 / fp16 chunks each chunk's product is
+    one low-precision GEMM rounded once, so the sum is within a few units of that dtype's epsilon."""
+    from tinyzero.kernels.linear_logprobs import accumulate_weight_grad
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden, chunks = 96, 24, [(16, 0), (16, 1), (7, 2)]
+    grad_w, ref = torch.zeros(vocab, hidden), torch.zeros(vocab, hidden, dtype=torch.float64)
+    for tokens, _ in chunks:
+        g = torch.randn(tokens, vocab, generator=gen).to(dtype)
+        h = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        accumulate_weight_grad(grad_w, g, h)
+        ref += g.double().T @ h.double()
+    assert grad_w.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    scale = ref.abs().max().item()
+    assert (grad_w.double() - ref).abs().max().item() <= tol * scale
