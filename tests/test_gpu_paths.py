@@ -41,3 +41,15 @@ def test_auto_attention_avoids_flash_attn_in_fp32(monkeypatch):
     assert loading.pick_attn_implementation("cuda", "auto", torch.float32) == "sdpa"  # flash-attn is 16-bit only
     assert loading.pick_attn_implementation("cpu", "auto", torch.bfloat16) == "sdpa"
     assert loading.pick_attn_implementation("cuda", "auto") == "flash_attention_2"  # dtype not known
+
+
+def test_two_ranks_on_one_gpu_are_refused_in_one_line():
+    """More ranks on a node than visible GPUs would share a device (cuda:LOCAL_RANK % count): refused
+    before any process group exists, with the torchrun setting to change."""
+    from tinyzero.distributed import check_one_gpu_per_rank
+
+    check_one_gpu_per_rank(8, 8)
+    check_one_gpu_per_rank(2, 4)
+    with pytest.raises(ValueError, match=r"^2 ranks on this node but 1 GPU\(s\) visible: .*--nproc_per_node 1") as e:
+        check_one_gpu_per_rank(2, 1)
+    assert "\n" not in str(e.value)

@@ -406,3 +406,32 @@ def test_weight_grad_accumulates_in_float32_without_float32_copies(dtype):
     tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
     scale = ref.abs().max().item()
     assert (grad_w.double() - ref).abs().max().item() <= tol * scale
+
+
+def test_auto_backend_falls_back_to_torch_when_triton_cannot_compile(monkeypatch, recwarn):
+    """backend="auto" on a device where Triton's first kernel fails: one warning naming the cause, then the
+    torch path for every later call (the probe runs once per device); CPU tensors never take Triton."""
+    import importlib.util
+
+    from tinyzero.kernels import _backend
+
+    monkeypatch.setattr(_backend, "HAS_TRITON", True)
+    monkeypatch.setattr(_backend, "_triton_works", {})
+    probes, real_probe = [], _backend._probe
+    monkeypatch.setattr(_backend, "_probe", lambda device: probes.append(device) or real_probe(device))
+    cause = "No module named 'triton'"
+    if importlib.util.find_spec("triton") is not None:
+        import tinyzero.kernels.scan_triton as scan_triton
+
+        cause = "Failed to find C compiler"
+
+        def broken(a, b):
+            raise RuntimeError(cause + ". Please specify via CC environment variable.")
+
+        monkeypatch.setattr(scan_triton, "reverse_linear_scan", broken)
+    with pytest.warns(RuntimeWarning, match=f"cannot run on cpu .*{cause}.*torch path"):
+        assert _backend.auto_triton(True, "cpu") is False
+    recwarn.clear()
+    assert _backend.auto_triton(True, "cpu") is False  # decided once per device: no second probe or warning
+    assert probes == ["cpu"] and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert _backend.auto_triton(False, "cpu") is False

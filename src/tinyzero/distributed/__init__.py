@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "check_one_gpu_per_rank",
     "init_distributed",
     "is_distributed",
     "get_rank",
@@ -88,6 +89,15 @@ def collective_timeout_s() -> float:
     return _collective_timeout_s if _collective_timeout_s is not None else resolve_collective_timeout_s()
 
 
+def check_one_gpu_per_rank(local_world_size: int, visible_gpus: int) -> None:
+    """Each rank of a node drives its own GPU (cuda:LOCAL_RANK): more ranks than visible GPUs would put two
+    ranks on one device, where FSDP2, NCCL and the engines fail later with errors that do not say why."""
+    if local_world_size > visible_gpus:
+        raise ValueError(f"{local_world_size} ranks on this node but {visible_gpus} GPU(s) visible: each rank "
+                         f"needs a GPU of its own; start torchrun with --nproc_per_node {visible_gpus} (or at "
+                         "most the GPUs in CUDA_VISIBLE_DEVICES), or run on the CPU with trainer.device=cpu")
+
+
 def init_distributed(timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment, or as a group of one.
 
@@ -114,6 +124,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     kind = device_type()
     if kind == "cuda":
+        check_one_gpu_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
         torch.cuda.set_device(get_device())
     # gloo for CPU tensors everywhere; on GPU nccl handles cuda tensors and gloo the CPU ones
     # (object collectives, CPU state), as torchtitan does.
