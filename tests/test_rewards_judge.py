@@ -164,7 +164,7 @@ def test_remote_judge_scores_and_bounds_concurrency(server, api):
     judge = Judge(JudgeConfig(enable=True, url=server.url + "/v1", api=api, concurrency=2))
     results = judge.score(PROMPTS, RESPONSES, ["4"] * 4 + [None] * 2)
     assert [r["score"] if r["judge"] == "ok" else None for r in results] == EXPECTED
-    assert results[3]["judge"] == "parse_error" and "found no score" in results[3]["error"]
+    assert results[3]["judge"] == "parse_error" and "found no verdict" in results[3]["error"]
     assert results[0]["extra"]["judge_output"] == "Correct.\nScore: 10"
     assert server.requests == len(PROMPTS) and 1 <= server.max_in_flight <= 2
 
@@ -261,6 +261,79 @@ def test_judge_faults_follow_on_error(tokenizer, server):
         hung.close()
 
 
+# ---------------------------------------------------------------------------------------------- pairwise
+def pairwise_rule(user_text: str) -> str:
+    """The server's pairwise verdict: the answer that says 4 wins; both or neither: a tie."""
+    a = user_text.split("[Answer A]\n", 1)[1].split("\n\n", 1)[0]
+    b = user_text.split("[Answer B]\n", 1)[1].split("\n\n", 1)[0]
+    a4, b4 = bool(re.search(r"\b4\b", a)), bool(re.search(r"\b4\b", b))
+    return "Verdict: " + ("[[C]]" if a4 == b4 else "[[A]]" if a4 else "[[B]]")
+
+
+def test_pairs_and_pairwise_scores():
+    from tinyzero.rewards.judge_pairwise import ordered_pairs, pairwise_scores
+
+    keys = ["u", "u", "v", "u", "w"]
+    pairs = ordered_pairs([0, 1, 2, 3, 4], keys)
+    assert pairs == [(0, 1), (0, 3), (1, 0), (1, 3), (3, 0), (3, 1)]
+    prefs = [1.0, 1.0, 0.0, 0.5, 0.0, None]  # (3, 1) failed: a tie
+    assert pairwise_scores([0, 1, 2, 3, 4], pairs, prefs) == {0: 1.0, 1: 1 / 4, 2: 0.5, 3: 1 / 4, 4: 0.5}
+
+
+def test_pairwise_judge_within_groups(tokenizer):
+    s = JudgeServer(rule=pairwise_rule)
+    try:
+        cfg = RewardConfig(judge=JudgeConfig(enable=True, url=s.url, mode="pairwise", data_sources=["open_qa"]))
+        batch, _ = _judged_batch(tokenizer)
+        batch.non_tensor_batch["uid"] = np.array(["a"] * 4 + ["b"] * 2 + ["c"] * 2, dtype=object)
+        out = RewardManager(tokenizer, cfg)(batch)
+        expected = [5 / 6, 5 / 6, 1 / 6, 1 / 6, 1.0, 0.0, 1.0, 0.1]
+        assert out.scores.tolist() == pytest.approx(expected, abs=1e-6)
+        assert s.requests == 4 * 3 + 2 * 1 and out.metrics["reward/judge_parse_errors"] == 0
+    finally:
+        s.close()
+
+
+def test_pairwise_verdicts_that_do_not_parse_follow_on_error(tokenizer, server):
+    batch, _ = _judged_batch(tokenizer)
+    judge = JudgeConfig(enable=True, url=server.url, mode="pairwise", data_sources=["open_qa"])  # no [[X]] replies
+    with pytest.raises(RewardError, match=r"pairwise\) failed on 14 of 14 comparisons; the first, sample 0 against "
+                                          r"sample 1: reward.judge.parser='default' found no verdict"):
+        RewardManager(tokenizer, RewardConfig(judge=judge))(batch)
+    out = RewardManager(tokenizer, RewardConfig(judge=judge, on_error="zero"))(batch)
+    assert out.scores.tolist()[:6] == [0.5] * 6 and out.metrics["reward/judge_parse_errors"] == 14
+
+
+def _judge_on_two_ranks(url: str, model_dir: str, mode: str) -> tuple[list[float], float]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch, _ = _judged_batch(tok)
+    batch.non_tensor_batch["uid"] = np.array(["a"] * 4 + ["b"] * 2 + ["c"] * 2, dtype=object)
+    cfg = RewardConfig(on_error="zero", judge=JudgeConfig(enable=True, url=url, mode=mode, data_sources=["open_qa"]))
+    out = RewardManager(tok, cfg)(batch)
+    return out.scores.tolist(), out.metrics["reward/judge_parse_errors"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pointwise", "pairwise"])
+def test_judge_work_splits_over_two_ranks(tiny_model_dir, mode):
+    from tests.dist_utils import run_distributed
+
+    s = JudgeServer(rule=pairwise_rule if mode == "pairwise" else judge_rule)
+    try:
+        got = run_distributed(_judge_on_two_ranks, 2, s.url, tiny_model_dir, mode, timeout=120)
+    finally:
+        s.close()
+    expected = ([5 / 6, 5 / 6, 1 / 6, 1 / 6, 1.0, 0.0, 1.0, 0.1] if mode == "pairwise"
+                else [1.0, 1.0, 0.2, 0.0, 1.0, 0.2, 1.0, 0.1])
+    for scores, parse_errors in got:
+        assert scores == pytest.approx(expected, abs=1e-6)
+        assert parse_errors == (0 if mode == "pairwise" else 1)
+    assert s.requests == (14 if mode == "pairwise" else 6)  # each sample or pair judged once, on one rank
+
+
 # ---------------------------------------------------------------------------------------------- in-process
 def _reference_replies(path: str, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
     """Plain HF generate, one conversation at a time (no padding), greedy."""
@@ -354,14 +427,13 @@ def smollm2_vllm(smollm2_path, tmp_path_factory):
     pytest.importorskip("vllm")
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.dist_utils import free_port
+
+    port = free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     log = open(tmp_path_factory.mktemp("vllm_judge") / "serve.log", "w+")

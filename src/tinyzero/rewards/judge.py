@@ -184,12 +184,13 @@ def reference_text(ground_truth) -> str | None:
 
 
 class Judge:
-    """Template -> backend -> parser: one RewardManager result dict per sample."""
+    """Template -> backend -> parser: one RewardManager result dict per sample (pointwise), or one
+    preference per pair of responses (pairwise, see tinyzero.rewards.judge_pairwise)."""
 
     def __init__(self, config: JudgeConfig, backend: JudgeBackend | None = None):
         self.config = config
-        self.template = get_judge_template(config.template)
-        self.parser = get_judge_parser(config.parser)
+        self.template = get_judge_template(config.template, pairwise=config.mode == "pairwise")
+        self.parser = get_judge_parser(config.parser, pairwise=config.mode == "pairwise")
         self.backend = backend if backend is not None else (
             RemoteJudgeBackend(config) if config.url else HFJudgeBackend(config))
         self.name = self.backend.name
@@ -197,6 +198,13 @@ class Judge:
     def score(self, prompts: list[str], responses: list[str], ground_truths: list) -> list[dict]:
         """Results as the RewardManager keeps them, plus "judge": "ok" / "parse_error" / "failed"."""
         conversations = [self.template(p, r, reference_text(g)) for p, r, g in zip(prompts, responses, ground_truths)]
+        return [self._result(reply) for reply in self.backend.generate(conversations)]
+
+    def compare(self, prompts: list[str], responses_a: list[str], responses_b: list[str],
+                ground_truths: list) -> list[dict]:
+        """Pairwise: per pair, the result dict whose "score" is the preference for A (1 / 0 / 0.5 a tie)."""
+        conversations = [self.template(p, a, b, reference_text(g))
+                         for p, a, b, g in zip(prompts, responses_a, responses_b, ground_truths)]
         return [self._result(reply) for reply in self.backend.generate(conversations)]
 
     def _result(self, reply: str | JudgeError) -> dict:
@@ -209,7 +217,7 @@ class Judge:
         except Exception as e:  # noqa: BLE001 - a user parser's error is a parse error of this reply
             why = e if isinstance(e, JudgeParseError) else f"{type(e).__name__}: {e}"
             return {**base, "extra": {"judge_output": reply}, "judge": "parse_error",
-                    "error": f"reward.judge.parser={self.config.parser!r} found no score in the reply of "
+                    "error": f"reward.judge.parser={self.config.parser!r} found no verdict in the reply of "
                              f"{self.name}: {why}"}
         if not 0.0 <= score <= 1.0:
             return {**base, "extra": {"judge_output": reply}, "judge": "parse_error",

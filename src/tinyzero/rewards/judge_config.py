@@ -17,6 +17,11 @@ class JudgeConfig:
     enable: bool = False
     """Score the samples of `data_sources` with a judge model instead of their rule scorer."""
 
+    mode: Literal["pointwise", "pairwise"] = "pointwise"
+    """pointwise: one verdict per response. pairwise: the responses of one prompt (a GRPO group, same
+    uid) are compared in every ordered pair, A/B and B/A (n x (n - 1) judge calls per group of n); a
+    response scores the fraction of its comparisons it wins (a tie counts half)."""
+
     data_sources: list[str] = field(default_factory=list)
     """data_source names the judge scores; the others keep their rule scorers in the same batch.
     Empty: the judge scores every data_source."""
@@ -76,13 +81,13 @@ class JudgeConfig:
                              "model, run in-process) or reward.judge.url (an OpenAI-compatible server); got "
                              f"model_path={self.model_path!r}, url={self.url!r}")
         if self.enable:
-            from tinyzero.rewards.judge_prompts import JUDGE_PARSERS, JUDGE_TEMPLATES
+            from tinyzero.rewards.judge_prompts import registered
 
-            for setting, value, table in (("template", self.template, JUDGE_TEMPLATES),
-                                          ("parser", self.parser, JUDGE_PARSERS)):
+            for setting in ("template", "parser"):
+                value, table = getattr(self, setting), registered(setting, self.mode == "pairwise")
                 if value not in table and not value.rpartition(":")[0].endswith(".py"):
-                    raise ValueError(f"reward.judge.{setting}={value!r} is not a registered name; choose one of "
-                                     f"{sorted(table)} or give path/to/file.py:function")
+                    raise ValueError(f"reward.judge.{setting}={value!r} is not a registered {self.mode} {setting}; "
+                                     f"choose one of {sorted(table)} or give path/to/file.py:function")
 
     def judges(self, data_source: str) -> bool:
         """Whether the judge scores samples of this data_source."""

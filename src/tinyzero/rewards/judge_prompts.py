@@ -11,7 +11,10 @@ into a score in [0, 1] or raises `JudgeParseError`:
     def yes_no_strict(text: str) -> float: ...
 
 reward.judge.template / reward.judge.parser name a registered entry, or a user function as
-`path/to/file.py:function` with the same signature.
+`path/to/file.py:function` with the same signature. With reward.judge.mode=pairwise they are looked up
+among the pairwise ones: a template `fn(prompt, response_a, response_b, reference) -> messages` and a
+parser `fn(reply) -> preference for A in [0, 1]` (1: A is better, 0: B is, 0.5: a tie), registered with
+`register_judge_template(name, pairwise=True)` / `register_judge_parser(name, pairwise=True)`.
 
 Built in:
     templates  default   the prompt, the response and (when the row has one) the reference answer; asks
@@ -22,6 +25,9 @@ Built in:
                last_number  the last number in the reply, in 0..10; N / 10 (for judges that answer
                          with a bare number)
                yes_no    the first "yes" / "no" word: 1 / 0
+    pairwise   default   template: the prompt, answers A and B, the reference when there is one; asks for
+                         a verdict "[[A]]", "[[B]]" or "[[C]]" (a tie). parser: the last such verdict ->
+                         1 / 0 / 0.5
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ JUDGE_TEMPLATES: dict[str, Callable[[str, str, str | None], list[dict]]] = {}
 JUDGE_PARSERS: dict[str, Callable[[str], float]] = {}
 """Parser name -> fn(judge_reply) -> score in [0, 1] (JudgeParseError when the reply holds none)."""
 
+PAIRWISE_TEMPLATES: dict[str, Callable[[str, str, str, str | None], list[dict]]] = {}
+"""Pairwise template name -> fn(prompt, response_a, response_b, reference) -> chat messages."""
+
+PAIRWISE_PARSERS: dict[str, Callable[[str], float]] = {}
+"""Pairwise parser name -> fn(judge_reply) -> preference for A in [0, 1] (JudgeParseError when none)."""
+
 MAX_SCORE = 10
 """The default template's scale: 0..MAX_SCORE, normalised to [0, 1]."""
 
@@ -46,24 +58,31 @@ class JudgeParseError(ValueError):
     """The judge's reply holds no score the parser accepts."""
 
 
-def register_judge_template(name: str):
-    """Decorator: register a judge template under `name`."""
+def register_judge_template(name: str, pairwise: bool = False):
+    """Decorator: register a judge template under `name` (pairwise: a template of two responses)."""
 
     def deco(fn):
-        JUDGE_TEMPLATES[name] = fn
+        (PAIRWISE_TEMPLATES if pairwise else JUDGE_TEMPLATES)[name] = fn
         return fn
 
     return deco
 
 
-def register_judge_parser(name: str):
-    """Decorator: register a judge score parser under `name`."""
+def register_judge_parser(name: str, pairwise: bool = False):
+    """Decorator: register a judge score parser under `name` (pairwise: a parser of a preference)."""
 
     def deco(fn):
-        JUDGE_PARSERS[name] = fn
+        (PAIRWISE_PARSERS if pairwise else JUDGE_PARSERS)[name] = fn
         return fn
 
     return deco
+
+
+def registered(setting: str, pairwise: bool) -> dict[str, Callable]:
+    """The registry that reward.judge.<setting> ("template" or "parser") names an entry of."""
+    if setting == "template":
+        return PAIRWISE_TEMPLATES if pairwise else JUDGE_TEMPLATES
+    return PAIRWISE_PARSERS if pairwise else JUDGE_PARSERS
 
 
 def _lookup(name: str, table: dict, setting: str) -> Callable:
@@ -77,14 +96,14 @@ def _lookup(name: str, table: dict, setting: str) -> Callable:
                      "path/to/file.py:function")
 
 
-def get_judge_template(name: str) -> Callable[[str, str, str | None], list[dict]]:
+def get_judge_template(name: str, pairwise: bool = False) -> Callable[..., list[dict]]:
     """The template registered as `name` (or a `file.py:function`); ValueError naming the setting if none."""
-    return _lookup(name, JUDGE_TEMPLATES, "reward.judge.template")
+    return _lookup(name, registered("template", pairwise), "reward.judge.template")
 
 
-def get_judge_parser(name: str) -> Callable[[str], float]:
+def get_judge_parser(name: str, pairwise: bool = False) -> Callable[[str], float]:
     """The parser registered as `name` (or a `file.py:function`); ValueError naming the setting if none."""
-    return _lookup(name, JUDGE_PARSERS, "reward.judge.parser")
+    return _lookup(name, registered("parser", pairwise), "reward.judge.parser")
 
 
 # ---------------------------------------------------------------------------------------------- templates
@@ -159,3 +178,30 @@ def yes_no_parser(text: str) -> float:
     if m is None:
         raise JudgeParseError(f"neither 'yes' nor 'no' in the judge's reply {text[-200:]!r}")
     return 1.0 if m.group(1).lower() == "yes" else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- pairwise
+@register_judge_template("default", pairwise=True)
+def pairwise_template(prompt: str, response_a: str, response_b: str, reference: str | None) -> list[dict]:
+    parts = [f"[Question]\n{prompt.strip()}"]
+    if reference:
+        parts.append(f"[Reference answer]\n{reference.strip()}")
+    parts.append(f"[Answer A]\n{response_a.strip()}")
+    parts.append(f"[Answer B]\n{response_b.strip()}")
+    ask = "Which answer is better: more correct, then more helpful"
+    ask += ", using the reference answer as the truth?" if reference else "?"
+    ask += (" Do not let the order or the length of the answers sway you. Explain briefly, then end with your "
+            "verdict: [[A]] if A is better, [[B]] if B is better, [[C]] for a tie.")
+    parts.append(ask)
+    return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+_VERDICT = re.compile(r"\[\[\s*([ABC])\s*\]\]", re.IGNORECASE)
+
+
+@register_judge_parser("default", pairwise=True)
+def pairwise_parser(text: str) -> float:
+    verdicts = _VERDICT.findall(text)
+    if not verdicts:
+        raise JudgeParseError(f"no verdict [[A]], [[B]] or [[C]] in the judge's reply {text[-200:]!r}")
+    return {"A": 1.0, "B": 0.0, "C": 0.5}[verdicts[-1].upper()]

@@ -60,6 +60,7 @@ from tinyzero.rewards.config import (
     RewardConfig,
 )
 from tinyzero.rewards.judge import Judge
+from tinyzero.rewards.judge_pairwise import group_keys, judge_pairs, ordered_pairs, pairwise_scores
 from tinyzero.rewards.overlong import apply_overlong_penalty, overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
 from tinyzero.rewards.scoring import ScorerSpec, ScoringPool, score_tasks
@@ -272,10 +273,14 @@ class RewardManager:
             rule_results, parallel = self._score_rules([tasks[i] for i in ruled])
             for i, r in zip(ruled, rule_results):
                 results[i] = r
-        start = time.perf_counter()
-        judge_results = self._judge.score([prompts[i] if prompts else "" for i in judged],
-                                          [tasks[i][1] for i in judged], [tasks[i][2] for i in judged])
-        self._judge_time = time.perf_counter() - start
+        if self.config.judge.mode == "pairwise":  # judged over whole groups after the gather (_judge_pairwise)
+            judge_results = [{"score": 0.0, "acc": False, "formatted": False, "extra": {}, "error": None,
+                              "timeout": False, "judge": "pairwise"} for _ in judged]
+        else:
+            start = time.perf_counter()
+            judge_results = self._judge.score([prompts[i] if prompts else "" for i in judged],
+                                              [tasks[i][1] for i in judged], [tasks[i][2] for i in judged])
+            self._judge_time = time.perf_counter() - start
         for i, r in zip(judged, judge_results):
             results[i] = r
         return results, parallel
@@ -393,9 +398,12 @@ class RewardManager:
                 raise ValueError(f"row {i}: reward_model must be a dict with 'ground_truth', got {rm!r}"[:300])
             tasks.append((str(nt["data_source"][i]), texts[i], rm["ground_truth"], self._extra_info(nt, i)))
         self._judge_time = 0.0
-        results, parallel = self._score_sharded(tasks, self._judge_prompts(data) if self._judge is not None else None)
+        prompts = self._judge_prompts(data) if self._judge is not None else None
+        results, parallel = self._score_sharded(tasks, prompts)
         self._check_results(tasks, results)
         judge_states = [r.get("judge") for r in results]
+        if self._judge is not None and self.config.judge.mode == "pairwise":
+            judge_states = self._judge_pairwise(data, tasks, prompts, results)
         results = [{k: v for k, v in r.items() if k not in ("traceback", "gave_up", "judge")} for r in results]
         if self.manager == "prime":
             for r in results:
@@ -433,7 +441,7 @@ class RewardManager:
             samples.append(sample)
         metrics["reward/parallel"] = float(parallel)
         if self._judge is not None:
-            metrics["reward/judge_count"] = float(sum(s is not None for s in judge_states))
+            metrics["reward/judge_count"] = float(sum(self.config.judge.judges(t[0]) for t in tasks))
             metrics["reward/judge_parse_errors"] = float(sum(s == "parse_error" for s in judge_states))
             metrics["reward/judge_failures"] = float(sum(s == "failed" for s in judge_states))
             metrics["timing_s/reward_judge"] = self._judge_time
@@ -455,6 +463,28 @@ class RewardManager:
         scores = nt.get("reward_scores")
         row["rollout_reward_scores"] = scores[i] if scores is not None else {}
         return row
+
+    def _judge_pairwise(self, data, tasks: list, prompts: list[str], results: list[dict]) -> list[str]:
+        """reward.judge.mode=pairwise: every ordered pair of each group judged (split over the ranks, gathered),
+        each judged sample's result set to its share of wins; returns each comparison's judge state."""
+        judged = [i for i, t in enumerate(tasks) if self.config.judge.judges(t[0])]
+        pairs = ordered_pairs(judged, group_keys(data.non_tensor_batch.get("uid"), prompts, [t[2] for t in tasks]))
+        start = time.perf_counter()
+        verdicts = judge_pairs(self._judge, pairs, prompts, [t[1] for t in tasks], [t[2] for t in tasks],
+                               _rank(), _world())
+        self._judge_time = time.perf_counter() - start
+        failed = [k for k, v in enumerate(verdicts) if v["judge"] != "ok"]
+        if failed:
+            (i, j), v = pairs[failed[0]], verdicts[failed[0]]
+            msg = (f"{self._judge.name} (reward.judge, pairwise) failed on {len(failed)} of {len(pairs)} comparisons; "
+                   f"the first, sample {i} against sample {j}: {v['error']}")
+            if self.config.on_error == "raise":
+                raise RewardError(msg + "\n(set --reward.on_error zero to count such comparisons as ties and go on)")
+            self._print_once("pairwise", f"[reward] warning: {msg}; they count as ties (reward.on_error=zero)")
+        scores = pairwise_scores(judged, pairs, [v["score"] if v["judge"] == "ok" else None for v in verdicts])
+        for i in judged:
+            results[i] = {**results[i], "score": scores[i], "acc": scores[i] >= 0.5, "formatted": True}
+        return [v["judge"] for v in verdicts]
 
     # ------------------------------------------------------------------ helpers
     def _judge_prompts(self, data) -> list[str]:
