@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # pages whose settings are checked against the config (docs/verl.md names veRL's keys on purpose)
 TOPIC_PAGES = ["getting-started.md", "your-own-task.md", "algorithms.md", "rollout.md", "parallelism.md",
-               "async.md", "agents.md", "lora.md", "reliability.md", "performance.md", "EXTENDING.md"]
+               "async.md", "agents.md", "lora.md", "reliability.md", "performance.md", "EXTENDING.md",
+               "distillation.md"]
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # `--a.b` flags and `a.b=value` overrides of sections of the root config
