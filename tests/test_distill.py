@@ -1,8 +1,9 @@
 """On-policy distillation (tinyzero.algorithms.distill, tinyzero.workers.teacher).
 
 - the per-token signal the trainer adds to the advantages, -(log pi_student - log pi_teacher) on the
-  sampled tokens, equals a float64 reference computed from both models' HF logits (atol 1e-5; the
-  workers run fp32, the student FSDP2-sharded over 2 gloo ranks, the teacher a larger checkpoint);
+  sampled tokens, and the "loss" mode's term the actor adds to its loss, equal a float64 reference
+  computed from both models' HF logits (atol 1e-5; the workers run fp32, the student FSDP2-sharded
+  over 2 gloo ranks, the teacher a larger checkpoint);
 - a teacher with another tokenizer is refused before any model loads, in one line;
 - train.py runs both modes end to end with a teacher of another size: distill/* and timing_s/teacher
   are logged and finite, and the "loss" mode logs actor/distill_loss.
@@ -92,8 +93,13 @@ def _signal_rank_fn(student_dir: str, teacher_dir: str):
     parts = [None] * actor.world_size
     torch.distributed.all_gather_object(parts, part.select(batch_keys=["old_log_probs", "teacher_log_prob"]))
     full = full.union(DataProto.concat(parts))
+    # "loss" mode: one actor update on the zero task advantages; its distill_loss is the k2 term's value.
+    local = part.union(DataProto.from_dict({"advantages": torch.zeros_like(part.batch["old_log_probs"])}))
+    local.meta_info["distill_loss"] = {"coef": 1.0, "kl_type": "k2"}
+    update = actor.update_actor(local).meta_info["metrics"]
     full.batch["advantages"] = torch.zeros_like(full.batch["old_log_probs"])
-    metrics = apply_distillation(full, distill)
+    metrics = apply_distillation(full, distill) | {"actor/distill_loss": update["actor/distill_loss"],
+                                                   "actor/pg_loss": update["actor/pg_loss"]}
     # numpy: the arrays travel back by pickle, not by shared memory the finished rank would take with it
     return {k: full.batch[k].numpy().copy() for k in ("old_log_probs", "teacher_log_prob", "advantages")} \
         | {"metrics": metrics}
@@ -120,6 +126,9 @@ def test_signal_matches_float64_reference(tiny_model_dir, teacher_dir):
     assert m["distill/reverse_kl"] == pytest.approx(float((student - teacher)[mask].mean()), abs=1e-5)
     assert m["distill/teacher_log_prob"] == pytest.approx(float(teacher[mask].mean()), abs=1e-5)
     assert m["distill/student_log_prob"] == pytest.approx(float(student[mask].mean()), abs=1e-5)
+    # "loss" mode's term before the update: token mean of 0.5 (log pi_student - log pi_teacher)^2.
+    assert m["actor/distill_loss"] == pytest.approx(float(0.5 * (student - teacher)[mask].square().mean()), abs=1e-5)
+    assert m["actor/pg_loss"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_apply_distillation_mixes_with_the_task_advantages():
