@@ -209,7 +209,7 @@ def test_config_errors_name_the_fix():
         TrainerConfig(max_staleness=-1)
 
 
-def _bridge_round_trips(bucket_sizes: list[int]) -> list[float]:
+def _bridge_round_trips(cases: list[tuple[int, str | None]]) -> list[float]:
     import torch
     import torch.distributed as dist
 
@@ -224,24 +224,40 @@ def _bridge_round_trips(bucket_sizes: list[int]) -> list[float]:
     open_bridge([0, 1])
     group = bridge_group([0, 1])
     out = []
-    for bucket_bytes in bucket_sizes:
+    for bucket_bytes, cast in cases:
+        dtype = getattr(torch, cast) if cast else None
         if dist.get_rank() == 0:
-            out.append(send_params(iter(tensors), group, src=0, send=True, bucket_bytes=bucket_bytes))
+            out.append(send_params(iter(tensors), group, src=0, send=True, bucket_bytes=bucket_bytes, dtype=dtype))
             continue
+        # what the engine should hold: floating-point tensors in its dtype, the others as they are
+        wants = [(n, t.to(dtype) if dtype is not None and t.is_floating_point() else t) for n, t in tensors]
         got = [(name, t.clone()) for name, t in receive_params(group, src=0, device=torch.device("cpu"))]
-        assert [n for n, _ in got] == [n for n, _ in tensors]
-        for (name, want), (_, have) in zip(tensors, got):
+        assert [n for n, _ in got] == [n for n, _ in wants]
+        for (name, want), (_, have) in zip(wants, got):
             assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want), name
-        out.append(float(sum(float(t.double().sum()) for _, t in tensors)))
+        out.append(float(sum(float(t.double().sum()) for _, t in wants)))
     return out
 
 
 @pytest.mark.slow
 def test_weight_bridge_moves_every_dtype_bit_for_bit():
-    # A bucket per tensor, a few tensors per bucket (unaligned sizes), one bucket for all.
-    sent, reference = run_distributed(_bridge_round_trips, 2, [1, 64, 1 << 20], timeout=120,
-                                      env={"CUDA_VISIBLE_DEVICES": ""})
+    # A bucket per tensor, a few tensors per bucket (unaligned sizes), one bucket for all; then cast to the
+    # engine's bf16 (floating-point tensors only) on the way.
+    cases = [(1, None), (64, None), (1 << 20, None), (64, "bfloat16")]
+    sent, reference = run_distributed(_bridge_round_trips, 2, cases, timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
     assert sent == pytest.approx(reference, rel=1e-12)
+
+
+def test_weight_checksum_sums_in_float64_without_a_whole_copy(monkeypatch):
+    """tensor_sum accumulates float64 partial sums a chunk at a time: the same value as a float64 copy's sum."""
+    import torch
+
+    from tinyzero.rollout import weight_bridge
+
+    monkeypatch.setattr(weight_bridge, "_SUM_CHUNK", 7)  # ragged chunks
+    g = torch.Generator().manual_seed(1)
+    for t in (torch.randn(5, 9, generator=g), torch.randn(13, generator=g).bfloat16(), torch.arange(10)):
+        assert weight_bridge.tensor_sum(t) == pytest.approx(float(t.double().sum()), rel=1e-12, abs=1e-12)
 
 
 def test_sequence_masked_importance_sampling_against_a_loop():

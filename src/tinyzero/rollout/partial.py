@@ -29,7 +29,7 @@ from tinyzero.protocol import DataProto
 from tinyzero.rollout.engine import resolve_sampling_params
 from tinyzero.rollout.generate import stop_hits
 from tinyzero.rollout.outputs import PROMPT_KEYS, build_output, pad_responses
-from tinyzero.rollout.weight_bridge import checksum
+from tinyzero.rollout.weight_bridge import checksum, tensor_sum
 
 __all__ = ["WeightSource", "PartialRollout"]
 
@@ -73,7 +73,7 @@ class PartialRollout:
             def stream():  # bucket by bucket, as the source receives them
                 for name, tensor in self.source.receive(version):
                     names.append(name)
-                    sent[0] += float(tensor.detach().double().sum())
+                    sent[0] += tensor_sum(tensor)
                     yield name, tensor
 
             try:

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from tinyzero.distributed import on_cleanup
 
-__all__ = ["open_bridge", "bridge_group", "send_params", "receive_params", "checksum", "announce", "BridgeSource"]
+__all__ = ["open_bridge", "bridge_group", "send_params", "receive_params", "checksum", "tensor_sum", "announce",
+           "BridgeSource"]
 
 _BRIDGES: dict[tuple[int, ...], object] = {}
 on_cleanup(_BRIDGES.clear)  # the groups are freed (their threads joined) by cleanup()
@@ -48,9 +49,19 @@ def bridge_group(ranks: list[int]):
     return _BRIDGES[key]
 
 
+_SUM_CHUNK = 1 << 20  # elements per float64 partial sum: 8 MiB of float64 at a time, never a whole copy
+
+
+def tensor_sum(t: torch.Tensor) -> float:
+    """The tensor's sum accumulated in float64, a chunk at a time (a float64 copy of a whole embedding
+    would double its memory)."""
+    flat = t.detach().reshape(-1)
+    return float(sum(flat[i:i + _SUM_CHUNK].sum(dtype=torch.float64) for i in range(0, flat.numel(), _SUM_CHUNK)))
+
+
 def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     """Sum of every tensor's float64 sum (a cheap fingerprint of a set of weights)."""
-    return float(sum(float(t.detach().double().sum()) for _, t in named))
+    return float(sum(tensor_sum(t) for _, t in named))
 
 
 def _padding(nbytes: int) -> int:
@@ -64,22 +75,31 @@ def _send_bucket(parts: list, group, src: int) -> None:
     dist.broadcast(flat, src=src, group=group)
 
 
-def send_params(stream: Iterator[tuple[str, torch.Tensor]], group, src: int, send: bool, bucket_bytes: int) -> float:
+def send_params(stream: Iterator[tuple[str, torch.Tensor]], group, src: int, send: bool, bucket_bytes: int,
+                dtype: torch.dtype | None = None) -> float:
     """Drain `stream` (every trainer rank must: it gathers shards); the sending rank broadcasts it
-    in buckets of about `bucket_bytes`. Returns the checksum of what was sent (0.0 where send is False)."""
+    in buckets of about `bucket_bytes`, floating-point tensors cast to `dtype` when given (the engine's:
+    a bf16 engine receives half the bytes of fp32 master weights). Returns the checksum of what was
+    sent (0.0 where send is False)."""
     if not send:
         for _ in stream:
             pass
         return 0.0
     parts, size, total = [], 0, 0.0
     for name, tensor in stream:
-        total += float(tensor.detach().double().sum())
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        raw = torch.cat([raw, raw.new_zeros(_padding(raw.numel()))])  # every tensor starts 8-byte aligned
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        total += tensor_sum(tensor)
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        # a copy of its own (the stream may reuse its buffers), every tensor starting 8-byte aligned
+        raw = torch.cat([raw, raw.new_zeros(_padding(raw.numel()))])
+        shape, kind = tuple(tensor.shape), tensor.dtype
+        del tensor
         if parts and size + raw.numel() > bucket_bytes:
             _send_bucket(parts, group, src)
             parts, size = [], 0
-        parts.append((name, tuple(tensor.shape), tensor.dtype, raw.clone()))
+        parts.append((name, shape, kind, raw))
         size += raw.numel()
     if parts:
         _send_bucket(parts, group, src)

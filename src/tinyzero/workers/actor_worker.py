@@ -223,7 +223,7 @@ class ActorRolloutRefWorker(Worker):
             out = self.rollout.generate_sequences(prompts)
         finally:
             self.rollout.sleep()
-            if int(getattr(self.config.rollout, "sleep_level", 1)) == 2:
+            if getattr(self.config.rollout, "sleep_level", 1) == 2:
                 self._synced_version = -1  # level-2 sleep discards the engine's weights
         metrics = out.meta_info.setdefault("metrics", {})
         metrics["timing_s/weight_sync"] = sync_s
@@ -241,6 +241,7 @@ class ActorRolloutRefWorker(Worker):
         bucket; the pool's first rank broadcasts them over the bridge group to the rollout pool.
         Returns the float64 checksum of what was sent (0.0 on the other ranks)."""
         from tinyzero.rollout.config import sync_bucket_bytes
+        from tinyzero.rollout.native import resolve_dtype
         from tinyzero.rollout.weight_bridge import bridge_group, send_params
         from tinyzero.rollout.weight_sync import iter_full_params
 
@@ -249,29 +250,33 @@ class ActorRolloutRefWorker(Worker):
         bucket = sync_bucket_bytes(self.config.rollout, self.device)
         with on_device(self.actor.model, self.config.actor.fsdp_config, self.device):
             return send_params(iter_full_params(self.actor.model, bucket), bridge_group(bridge_ranks),
-                               src=bridge_ranks[0], send=self.rank == 0, bucket_bytes=bucket)
+                               src=bridge_ranks[0], send=self.rank == 0, bucket_bytes=bucket,
+                               dtype=resolve_dtype(self.config.rollout.dtype, self.device))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def receive_weights(self, bridge_ranks: list[int]) -> float:
         """Rollout pool: load the weights send_weights broadcasts into the engine. Returns the float64
         checksum of the engine's copy of them (of the received tensors if the engine has no torch model)."""
-        from tinyzero.rollout.weight_bridge import bridge_group, checksum, receive_params
+        from tinyzero.rollout.weight_bridge import bridge_group, checksum, receive_params, tensor_sum
 
         if self.rollout is None:
             raise ValueError(f"receive_weights needs the rollout role; this worker is {self.role!r}")
-        received = {}
+        names, received = [], [0.0]  # names and a running checksum: no received tensor outlives its bucket
 
         def stream():
             for name, tensor in receive_params(bridge_group(bridge_ranks), bridge_ranks[0], self.device):
-                received[name] = tensor
+                names.append(name)
+                received[0] += tensor_sum(tensor)
                 yield name, tensor
 
         self.rollout.wake_up(tags=["weights"])
         try:
             self.rollout.update_weights(stream())
             model = getattr(self.rollout, "model", None)
-            held = model.state_dict() if hasattr(model, "state_dict") else received
-            return checksum((name, held.get(name, received[name])) for name in received)
+            held = model.state_dict() if hasattr(model, "state_dict") else {}
+            if names and all(name in held for name in names):
+                return checksum((name, held[name]) for name in names)
+            return received[0]
         finally:
             self.rollout.sleep()
 
