@@ -484,3 +484,34 @@ def test_vllm_serve_judge_gives_the_in_process_scores(smollm2_path, smollm2_vllm
     assert [r["judge"] for r in got] == [r["judge"] for r in expected]
     assert [r["score"] for r in got] == [r["score"] for r in expected]
     assert [r["extra"]["judge_output"] for r in got] == [r["extra"]["judge_output"] for r in expected]
+
+
+@pytest.mark.slow
+def test_a_hanging_judge_stops_train_py_naming_it(tmp_path, tiny_model_dir):
+    """A judge server that never answers: train.py stops at the first step, naming the server and the limit."""
+    import subprocess
+
+    from tests.test_e2e_train import ENV, ROOT, _cmd
+    from tinyzero.demo import build_data
+
+    build_data(str(tmp_path / "data"))
+    s = JudgeServer(hang_s=600)
+    try:
+        start = time.monotonic()
+        out = subprocess.run(_cmd(["--preset", "demo_cpu", f"--data.train_files={tmp_path}/data/train.parquet",
+                                   f"--data.val_files={tmp_path}/data/test.parquet",
+                                   f"--actor_rollout_ref.model.path={tiny_model_dir}",
+                                   f"--trainer.default_local_dir={tmp_path}/run", "--trainer.plot=false",
+                                   "--trainer.total_training_steps=2", "--trainer.val_before_train=false",
+                                   "--reward.judge.enable=true", f"--reward.judge.url={s.url}",
+                                   "--reward.judge.model=m", "--reward.judge.timeout_s=1",
+                                   "--reward.judge.retries=2"]),
+                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        elapsed = time.monotonic() - start
+    finally:
+        s.close()
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert f"the judge server {s.url} (reward.judge) failed on sample" in text, text[-3000:]
+    assert "gave no answer after 2 attempt(s) of up to reward.judge.timeout_s=1 s" in text and "timed out" in text
+    print(f"stopped after {elapsed:.0f} s")
