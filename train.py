@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinyzero.config.parse import parse_args
     from tinyzero.distributed import (
         cleanup,
+        device_type,
         get_rank,
         init_distributed,
         resolve_collective_timeout_s,
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.tuning.host_mmap_threshold_kb > 0:
         set_mmap_threshold(cfg.tuning.host_mmap_threshold_kb * 1024)
     set_trim_threshold(cfg.tuning.host_trim_threshold_mb * 2**20)
-    if cfg.tuning.host_keep_freed_memory:
+    if cfg.tuning.keep_freed_memory(on_cpu=cfg.trainer.device == "cpu" or device_type() == "cpu"):
         keep_freed_memory()
     # Raised in a worker, these reach the other ranks as one line too (single_controller.failure).
     report_as_user_errors(RunFolderBusy, CheckpointSpaceError, Preempted, NonFiniteError)

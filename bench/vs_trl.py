@@ -24,6 +24,8 @@ same work per optimizer step:
   precision fp32 by default; --precision bf16 runs both sides in bf16 mixed precision (fp32 master
             weights and optimizer; TRL's bf16=True through bench/trl_bf16.py, ours FSDP2
             param_dtype=bf16 and a bf16 rollout engine).
+  defaults  --defaults adds a third side: ours with the workload's settings alone, so the run plan
+            chooses the speed settings as it does for a new user (tinyzero.plan.choose_fast_path).
 Runs are interleaved (TRL, ours, TRL, ours, ...). Before each, the bench waits (bounded by
 --idle-wait-s) until the machine's busy CPU share is below --idle-busy, and it records the foreign
 CPU share during the run (busy CPU time not spent by the run's own processes, over wall x CPUs).
@@ -192,7 +194,9 @@ def real_model_flags() -> list[str]:
             f"--tuning.host_keep_freed_memory={str(cfg.tuning.host_keep_freed_memory).lower()}"]
 
 
-def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
+def run_ours(args, model: str, data: str, work: str, tag: str, defaults: bool = False) -> dict:
+    """One run of train.py on the workload; `defaults`: the workload's settings alone (no packing flag,
+    no real_model_flags, no --ours-flag), so the run plan picks the speed settings as for a new user."""
     from tinyzero.trainer.loggers import read_metrics
 
     run_dir = os.path.join(work, f"ours_{tag}")
@@ -215,12 +219,13 @@ def run_ours(args, model: str, data: str, work: str, tag: str) -> dict:
         f"--trainer.total_training_steps={args.warmup + args.steps}", "--trainer.test_freq=-1",
         "--trainer.val_before_train=false", "--trainer.save_freq=-1", "--trainer.export_hf=false",
         "--trainer.plot=false", "--trainer.log_samples=0", f"--trainer.default_local_dir={run_dir}",
-        f"--actor_rollout_ref.model.use_remove_padding={str(args.packing != 'none').lower()}",
-        f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}",
+        *(() if defaults else (
+            f"--actor_rollout_ref.model.use_remove_padding={str(args.packing != 'none').lower()}",
+            f"--actor_rollout_ref.model.use_shared_prefix={str(args.packing == 'shared_prefix').lower()}")),
         # fp32 master weights either way; bf16: FSDP2 computes in bf16 and the engine samples in bf16
         f"{a}.fsdp_config.mixed_precision.param_dtype={args.precision}", f"{r}.dtype={args.precision}",
-        *(real_model_flags() if args.model != "tiny" and not getattr(args, "plain", False) else ()),
-        *getattr(args, "ours_flag", []),
+        *(real_model_flags() if args.model != "tiny" and not getattr(args, "plain", False) and not defaults else ()),
+        *(() if defaults else getattr(args, "ours_flag", [])),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train.py"), *flags]
@@ -280,6 +285,10 @@ def main() -> None:
     p.add_argument("--plain", action="store_true",
                    help="our side without real_model_flags() on a real model (the demo_cpu settings and the "
                         "workload's own)")
+    p.add_argument("--defaults", action="store_true",
+                   help="a third side, interleaved: ours with the workload's settings alone (no packing flag, no "
+                        "real_model_flags, no --ours-flag), what a new user gets; reports it against TRL and "
+                        "against our tuned side (defaults_vs_tuned)")
     p.add_argument("--idle-busy", type=float, default=0.1, help="busy CPU share below which the machine is idle")
     p.add_argument("--idle-wait-s", type=float, default=600.0, help="longest wait for an idle machine per run")
     p.add_argument("--run-timeout-s", type=float, default=3600.0)
@@ -298,11 +307,15 @@ def main() -> None:
     # As many prompts as the harness draws, so both sides sample from the same set.
     num_prompts = max(256, (args.warmup + args.steps) * 8 * 2)
     data = write_prompts(args.trl_harness, os.path.join(work, "prompts.parquet"), num_prompts, args.seed)
-    trl, ours = [], []
+    trl, ours, plain = [], [], []
+    sides = (("trl", trl), ("ours", ours)) + ((("ours_defaults", plain),) if args.defaults else ())
     for i in range(args.rounds):
-        for side, runs in (("trl", trl), ("ours", ours)):
+        for side, runs in sides:
             idle = wait_idle(args.idle_busy, args.idle_wait_s)
-            res = run_trl(args, model, work, str(i)) if side == "trl" else run_ours(args, model, data, work, str(i))
+            if side == "trl":
+                res = run_trl(args, model, work, str(i))
+            else:
+                res = run_ours(args, model, data, work, f"{side[5:]}{i}", defaults=side == "ours_defaults")
             runs.append({**res, **idle})
             print(json.dumps({"round": i, "side": side, **runs[-1]}), flush=True)
     result = {
@@ -314,8 +327,13 @@ def main() -> None:
         "tokens_per_s_ratio": _median_ratio(ours, trl, "tokens_per_s"),
         "peak_rss_ratio": _median_ratio(ours, trl, "peak_rss_mib"),
         "ours": _side_summary(ours), "trl": _side_summary(trl),
-        "all_idle": all(r["idle"] for r in trl + ours), "work": work,
+        "all_idle": all(r["idle"] for r in trl + ours + plain), "work": work,
     }
+    if args.defaults:
+        result["defaults"] = {"step_time_ratio": _median_ratio(plain, trl, "sec_per_step"),
+                              "peak_rss_ratio": _median_ratio(plain, trl, "peak_rss_mib"),
+                              "defaults_vs_tuned": _median_ratio(plain, ours, "sec_per_step"),
+                              "ours_defaults": _side_summary(plain)}
     print(json.dumps(result))
 
 

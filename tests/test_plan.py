@@ -64,7 +64,7 @@ def test_auto_engine_under_trainer_device_cpu_is_native(monkeypatch):
     said = []
     cfg = _cfg({"trainer": {"device": "cpu"}, "actor_rollout_ref": {"rollout": {"name": "auto"}}})
     assert plan_run(cfg, 1, notice=said.append).engine == "native"
-    assert said == ["rollout.name=auto -> native (trainer.device=cpu)"]
+    assert said[0] == "rollout.name=auto -> native (trainer.device=cpu)"
 
 
 def test_mini_batch_rules_name_the_setting():
@@ -91,3 +91,78 @@ def test_parallel_dims_are_built_in_one_place():
                 if name in builders:
                     callers.add(path.relative_to(SRC).as_posix())
     assert callers == {"workers/config.py", "models/fsdp.py"}, callers
+
+
+GRPO = {"algorithm": {"adv_estimator": "grpo"}, "data": {"train_batch_size": 4},
+        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}, "rollout": {"n": 4, "name": "native"}}}
+FAST = {"actor_rollout_ref.model.use_shared_prefix": True, "actor_rollout_ref.model.use_remove_padding": True,
+        "actor_rollout_ref.model.use_fused_layers": True, "actor_rollout_ref.rollout.sleep_level": 2}
+
+
+def _fast(plan) -> dict:
+    """The actor's speed settings as the plan resolved them."""
+    arr = plan.config.actor_rollout_ref
+    return {"actor_rollout_ref.model.use_shared_prefix": arr.model.use_shared_prefix,
+            "actor_rollout_ref.model.use_remove_padding": arr.model.use_remove_padding,
+            "actor_rollout_ref.model.use_fused_layers": arr.model.use_fused_layers,
+            "actor_rollout_ref.rollout.sleep_level": arr.rollout.sleep_level}
+
+
+def _with(base: dict, **dotted) -> dict:
+    import copy
+
+    out = copy.deepcopy(base)
+    for key, value in dotted.items():
+        node = out
+        *path, last = key.split("__")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def test_the_fast_path_is_the_default_on_cpu_and_said_once():
+    """A GRPO run on the CPU that sets no speed setting gets the tuned ones (packing with shared prompts,
+    fused layers, sleep level 2), said in one line; the user's config keeps None (what they wrote)."""
+    cfg = _cfg(_with(GRPO, trainer__device="cpu"))
+    said = []
+    plan = plan_run(cfg, 2, notice=said.append)
+    assert _fast(plan) == FAST
+    assert plan.summary()["fast_path"]["actor_rollout_ref.rollout.sleep_level"] == 2
+    assert cfg.actor_rollout_ref.model.use_shared_prefix is None and cfg.actor_rollout_ref.rollout.sleep_level is None
+    assert said == ["speed settings for this machine: model.use_shared_prefix=true, model.use_remove_padding=true, "
+                    "model.use_fused_layers=true, rollout.sleep_level=2 (set any of them to override)"]
+
+
+@pytest.mark.parametrize("change,expect", [
+    # what the user sets is kept as written, the rest still chosen
+    ({"actor_rollout_ref__model__use_shared_prefix": False, "actor_rollout_ref__rollout__sleep_level": 1},
+     {**FAST, "actor_rollout_ref.model.use_shared_prefix": False, "actor_rollout_ref.rollout.sleep_level": 1}),
+    # one sample per prompt: no group to share a prompt with
+    ({"actor_rollout_ref__rollout__n": 1, "algorithm__adv_estimator": "reinforce_plus_plus"}, {**FAST, "actor_rollout_ref.model.use_shared_prefix": False}),
+    # LoRA: the sync carries the adapters only (level 2 would lose the base), fused layers not proven with it
+    ({"actor_rollout_ref__model__lora_rank": 4},
+     {**FAST, "actor_rollout_ref.model.use_fused_layers": False, "actor_rollout_ref.rollout.sleep_level": 1}),
+    # fused layers work on plain tensors, not under tensor parallelism
+    ({"actor_rollout_ref__actor__tensor_model_parallel_size": 2, "actor_rollout_ref__ref__tensor_model_parallel_size": 2},
+     {**FAST, "actor_rollout_ref.model.use_fused_layers": False}),
+    # a rollout pool of its own holds no actor to re-send discarded weights
+    ({"trainer__rollout_pool_size": 1}, {**FAST, "actor_rollout_ref.rollout.sleep_level": 1}),
+])
+def test_fast_path_rules(change, expect):
+    plan = plan_run(_cfg(_with(GRPO, trainer__device="cpu", **change)), 2, notice=None)
+    assert _fast(plan) == expect
+
+
+def test_gpu_hosts_and_supervised_modes_keep_the_plain_path(monkeypatch):
+    """Nothing of the fast path has been measured on a GPU: there every choice is off and the sleep level 1;
+    SFT, RM and DPO keep unpacked passes."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host
+    plan = plan_run(_cfg(_with(GRPO, trainer__device="auto")), 2, notice=None)
+    assert _fast(plan) == {key: (1 if key.endswith("sleep_level") else False) for key in FAST}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    sft = plan_run(_cfg(_with(GRPO, trainer__mode="sft", trainer__device="cpu")), 2, notice=None)
+    assert not sft.config.actor_rollout_ref.model.use_remove_padding
+    assert not sft.config.actor_rollout_ref.model.use_fused_layers

@@ -49,6 +49,8 @@ class RunPlan:
     """The rollout runs on its own pool, ahead of training (trainer.max_staleness / rollout_pool_size)."""
     hf_config: Any = None
     """The policy model's HF config (None when planned without reading the model)."""
+    fast_path: dict[str, Any] = field(default_factory=dict)
+    """The settings the user left unset (None) and the plan chose, by dotted key (see choose_fast_path)."""
 
     def summary(self) -> dict:
         """What the run derived, as plain values (written to plan.yaml in the run folder)."""
@@ -56,7 +58,7 @@ class RunPlan:
                 "pools": {k: list(v) for k, v in self.pools.items()},
                 "dims": {k: {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "sp": d.sp}
                          for k, d in self.dims.items()},
-                "rows_per_mini_batch": dict(self.rows_per_mini_batch)}
+                "rows_per_mini_batch": dict(self.rows_per_mini_batch), "fast_path": dict(self.fast_path)}
 
 
 def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
@@ -75,6 +77,8 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
         raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
                           "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
     asynchronous = bool(resolved.trainer.max_staleness or resolved.trainer.rollout_pool_size)
+    fast_path = choose_fast_path(resolved, engine, asynchronous)
+    _say_fast_path(fast_path, notice)
     if asynchronous:
         policy, rollout = _async_pools(resolved, world_size)
         others = policy
@@ -112,12 +116,13 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
     if resolved.use_reference:
         pools["ref"] = policy
     return RunPlan(world_size=world_size, config=resolved, pools=pools, dims=dims, rows_per_mini_batch=rows,
-                   engine=engine, asynchronous=asynchronous)
+                   engine=engine, asynchronous=asynchronous, fast_path=fast_path)
 
 
 def _plan_supervised(resolved: Config, world_size: int) -> RunPlan:
     """SFT, RM and DPO: one trained model on every rank, laid out by the actor's settings (and DPO's
     frozen reference by the reference's)."""
+    fast_path = choose_fast_path(resolved, resolved.actor_rollout_ref.rollout.name, False)
     try:
         if resolved.trainer.mode == "dpo":  # the reference model beside the actor
             dims = policy_layouts(resolved.actor_rollout_ref, world_size, "actor_ref")
@@ -132,7 +137,7 @@ def _plan_supervised(resolved: Config, world_size: int) -> RunPlan:
                           "actor_rollout_ref.actor.tensor_model_parallel_size and ulysses_sequence_parallel_size "
                           "to 1 (tensor and sequence parallelism apply to the PPO roles)")
     return RunPlan(world_size=world_size, config=resolved, pools={"actor": tuple(range(world_size))}, dims=dims,
-                   engine=resolved.actor_rollout_ref.rollout.name)
+                   engine=resolved.actor_rollout_ref.rollout.name, fast_path=fast_path)
 
 
 def _resolve_engine(resolved: Config, notice) -> str:
@@ -152,6 +157,61 @@ def _resolve_engine(resolved: Config, notice) -> str:
         rollout.name = resolve_auto(say)
     check_config(resolved)  # the checks that depend on the engine, now that it is known
     return rollout.name
+
+
+def runs_on_cpu(cfg: Config) -> bool:
+    """Whether the run computes on the CPU: trainer.device=cpu, or auto on a host without a GPU."""
+    from tinyzero.distributed import device_type
+
+    return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and device_type() == "cpu")
+
+
+def choose_fast_path(resolved: Config, engine: str, asynchronous: bool) -> dict[str, Any]:
+    """Fill in the speed settings the user left unset (None), each on where it is measured to pay and
+    exact (bench/vs_trl.py --defaults against the tuned settings; bench/RESULTS.md), off elsewhere: on
+    GPU hosts, where none has been measured yet, every one stays off and the sleep level at 1. A value
+    the user set is kept as written. Returns what was chosen, by dotted key (plan.yaml shows it).
+
+    On the CPU, for PPO-family runs:
+      model.use_shared_prefix     when rollout.n > 1: each group's prompt is computed once in training
+      model.use_remove_padding    packed training passes, no compute on padding
+      model.use_fused_layers      less kept for backward; not with tensor parallelism or LoRA
+      rollout.sleep_level = 2     the native engine colocated with the actor frees its weight copy for the
+                                  update (the trainer re-sends them all); not with LoRA (its sync carries
+                                  the adapters only) nor with a rollout pool of its own
+    The critic's packing follows the same rules."""
+    chosen: dict[str, Any] = {}
+
+    def pick(section: Any, key: str, name: str, value: Any) -> None:
+        if getattr(section, name) is None:
+            setattr(section, name, value)
+            chosen[f"{key}.{name}"] = value
+
+    arr = resolved.actor_rollout_ref
+    cpu = runs_on_cpu(resolved)
+    ppo = resolved.trainer.mode == "ppo"
+    grouped = ppo and arr.rollout.n > 1
+    lora = bool(arr.model.lora_rank)
+    for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", resolved.critic.model)):
+        pick(model, key, "use_shared_prefix", cpu and grouped)
+        pick(model, key, "use_remove_padding", cpu and ppo)
+    tensor_parallel = max(arr.actor.tensor_model_parallel_size, arr.ref.tensor_model_parallel_size) > 1
+    pick(arr.model, "actor_rollout_ref.model", "use_fused_layers", cpu and ppo and not tensor_parallel and not lora)
+    pick(resolved.critic.model, "critic.model", "use_fused_layers", False)
+    colocated_native = engine == "native" and not asynchronous and arr.rollout.free_cache_engine
+    pick(arr.rollout, "actor_rollout_ref.rollout", "sleep_level", 2 if cpu and ppo and colocated_native and not lora
+         else 1)
+    return chosen
+
+
+def _say_fast_path(chosen: dict[str, Any], notice) -> None:
+    """One line on rank 0 naming the speed settings the plan turned on (each can be set to override)."""
+    from tinyzero.distributed import get_rank
+
+    on = [f"{key.rsplit('.', 2)[-2]}.{key.rsplit('.', 1)[-1]}={str(v).lower()}" for key, v in chosen.items()
+          if (v is True or (key.endswith("sleep_level") and v == 2)) and not key.startswith("critic.")]
+    if on and notice is not None and get_rank() == 0:
+        notice(f"speed settings for this machine: {', '.join(on)} (set any of them to override)")
 
 
 def _async_pools(resolved: Config, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from .kl import KL_ESTIMATORS
 
-KL_CONTROL_TYPES = ("fixed", "adaptive")
+KlControlType = Literal["fixed", "adaptive"]
+KL_CONTROL_TYPES = get_args(KlControlType)
 
 
 @dataclass
 class KLControlConfig:
     """Coefficient of the in-reward KL penalty and how it adapts (`algorithm.kl_ctrl`)."""
 
-    type: str = "fixed"
+    type: KlControlType = "fixed"
     """"fixed" keeps kl_coef; "adaptive" steers it toward target_kl (Ziegler et al. 2019)."""
     kl_coef: float = 0.001
     """Initial (or fixed) coefficient beta of the penalty: reward -= beta * KL."""

@@ -23,11 +23,18 @@ class TuningConfig:
     """Host allocations of at least this many KiB get their own mapping, returned to the system when
     freed, so resident memory follows the live tensors (e.g. 1024); every such allocation then pays page
     faults. 0 (default) leaves glibc's adaptive threshold."""
-    host_keep_freed_memory: bool = False
+    host_keep_freed_memory: bool | None = None
     """Speed over memory: every host allocation comes from the heaps, which never shrink, and nothing is
     trimmed (host_trim_threshold_mb is ignored), so each phase reuses the pages earlier phases freed
     instead of faulting in fresh ones; the peak resident memory is higher. Cannot be combined with
-    host_mmap_threshold_kb."""
+    host_mmap_threshold_kb. None: on for runs on the CPU (trainer.device=cpu, or auto on a host without a
+    GPU) unless host_mmap_threshold_kb is set; off on GPU hosts, where the host heaps are not the bottleneck."""
+
+    def keep_freed_memory(self, on_cpu: bool) -> bool:
+        """Whether the run keeps freed host memory (host_keep_freed_memory, or its default for the device)."""
+        if self.host_keep_freed_memory is not None:
+            return self.host_keep_freed_memory
+        return on_cpu and self.host_mmap_threshold_kb == 0
 
     def __post_init__(self):
         from tinyzero.config.root import ConfigError

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 __all__ = ["DataConfig", "TRUNCATION_MODES"]
 
-TRUNCATION_MODES = ("error", "left", "right", "filter")
+Truncation = Literal["error", "left", "right", "filter"]
+TRUNCATION_MODES = get_args(Truncation)
 
 
 @dataclass
@@ -32,7 +34,7 @@ class DataConfig:
     val_batch_size: int | None = None
     """Prompts per validation batch; None puts the whole validation set in one batch."""
 
-    truncation: str = "error"
+    truncation: Truncation = "error"
     """Over-long prompts: "error" (stop when the dataset loads, naming the first such row and the
     length that would fit them all), "left" (keep the last tokens), "right" (keep the first tokens) or
     "filter" (drop them when the dataset loads; the count is printed). "error" and "filter" tokenize

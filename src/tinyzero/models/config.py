@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64")
-ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+DtypeName = Literal["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64"]
+AttnImplementation = Literal["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
+DTYPE_NAMES = get_args(DtypeName)
+ATTN_IMPLEMENTATIONS = get_args(AttnImplementation)
 
 
 @dataclass
@@ -18,13 +21,13 @@ class ModelConfig:
     """Folder of the tokenizer; empty means the same as `path`."""
     trust_remote_code: bool = False
     """Allow executing model / tokenizer code shipped inside the model folder. Off unless you trust it."""
-    dtype: str = "fp32"
+    dtype: DtypeName = "fp32"
     """Dtype the model's weights are held in (tinyzero.models.precision). A trained model (actor, critic, SFT /
     RM / DPO policy) keeps fp32 master weights and AdamW state: "auto" and "fp32" mean fp32 there, and
     "bf16" / "fp16" are refused. Frozen copies (reference, a scoring reward model, the base under LoRA)
     follow "auto" to the compute dtype (`FSDPConfig.mixed_precision.param_dtype`: bf16 on GPU, fp32 on
     CPU) or take the named dtype. "fp64" (with fp64 mixed precision) gives float64 reference runs on CPU."""
-    attn_implementation: str = "auto"
+    attn_implementation: AttnImplementation = "auto"
     """HF attention kernel: "auto" picks flash_attention_2 on GPU when installed, else sdpa."""
     enable_gradient_checkpointing: bool = True
     """Recompute decoder-layer activations in backward (activation checkpointing) to save memory."""
@@ -32,19 +35,22 @@ class ModelConfig:
     """With enable_gradient_checkpointing, recompute only layers 0, n, 2n, ... (selective checkpointing): the
     others keep their activations, so backward holds about (1 - 1/n) of what it holds without checkpointing,
     for about 1/n of the recompute. 1 recomputes every layer."""
-    use_fused_layers: bool = False
+    use_fused_layers: bool | None = None
     """RMSNorms and SwiGLU MLPs that keep less for backward (tinyzero.models.fused_layers): the same forward,
     about a third less activation memory in training, for a few elementwise ops in backward. Not with
-    tensor parallelism."""
+    tensor parallelism. None: the run plan decides (on for PPO on CPU hosts without tensor parallelism or
+    LoRA; tinyzero.plan)."""
     override_config: dict = field(default_factory=dict)
     """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""
-    use_remove_padding: bool = False
+    use_remove_padding: bool | None = None
     """Packed training passes (log-probs, values, updates): several sequences share one row with a
-    block-diagonal causal mask, so padding is not computed (tinyzero.workers.packing)."""
-    use_shared_prefix: bool = False
+    block-diagonal causal mask, so padding is not computed (tinyzero.workers.packing). None: the run plan
+    decides (on for PPO on CPU hosts; tinyzero.plan)."""
+    use_shared_prefix: bool | None = None
     """Packed training passes that also compute each group's shared prompt once: the n responses of a
     prompt are packed as [prompt, response_1 .. response_n], each seeing the prompt and itself only.
-    Exact (same loss and gradients); implies use_remove_padding."""
+    Exact (same loss and gradients); implies use_remove_padding. None: the run plan decides (on for PPO
+    with rollout.n > 1 on CPU hosts; tinyzero.plan)."""
     lora_rank: int = 0
     """LoRA rank of the actor's adapters; 0 trains all weights. With LoRA the base weights are frozen, only
     the adapters (kept fp32) get gradients and optimizer state, the reference policy is the base with the
@@ -89,11 +95,11 @@ class ModelConfig:
 class MixedPrecisionConfig:
     """FSDP2 MixedPrecisionPolicy (veRL: `fsdp_config.mixed_precision`)."""
 
-    param_dtype: str = "auto"
+    param_dtype: DtypeName = "auto"
     """Dtype parameters are all-gathered in and compute runs in. "auto": bf16 on GPU, fp32 on CPU."""
-    reduce_dtype: str = "fp32"
+    reduce_dtype: DtypeName = "fp32"
     """Dtype of the gradient reduce-scatter / all-reduce."""
-    output_dtype: str = "auto"
+    output_dtype: DtypeName = "auto"
     """Dtype the wrapped modules' outputs are cast to; "auto" leaves them as computed."""
 
     def __post_init__(self):

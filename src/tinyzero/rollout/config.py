@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from tinyzero.agent.config import MultiTurnConfig
 from tinyzero.rollout.engine import check_sampling, engine_names
 
-DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
-NATIVE_IMPLS = ("auto", "fused", "hf")
-PREFIX_SHARING = ("auto", "shared", "copy", "off")
+RolloutDtype = Literal["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
+NativeImpl = Literal["auto", "fused", "hf"]
+PrefixSharing = Literal["auto", "shared", "copy", "off"]
+DTYPE_NAMES = get_args(RolloutDtype)
+NATIVE_IMPLS = get_args(NativeImpl)
+PREFIX_SHARING = get_args(PrefixSharing)
 
 
 @dataclass
@@ -57,7 +61,7 @@ class RolloutConfig:
     """False: greedy decoding for training rollouts too (validation uses val_kwargs)."""
     seed: int = 0
     """Base seed of the sampler; the same prompts, seed and weights give the same responses."""
-    dtype: str = "auto"
+    dtype: RolloutDtype = "auto"
     """Dtype of the engine's weights: "auto" is bf16 on GPU and fp32 on CPU."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of device memory the engine may use (weights + KV cache) on GPU."""
@@ -77,11 +81,12 @@ class RolloutConfig:
     free_cache_engine: bool = True
     """Sleep after generation to free the KV cache (and weights, per sleep_level) for training: vLLM on GPU;
     the native engine at sleep_level 2 on any device, at level 1 on GPU."""
-    sleep_level: int = 1
+    sleep_level: int | None = None
     """1 offloads the engine's weights to host memory (GPU), 2 discards them and the trainer re-sends them all
     before the next generation. Level 2 also frees the native engine's copy on CPU, lowering the peak
     memory of the training phases by one model in the rollout dtype, for a full (not incremental) sync
-    each step; it needs the actor in the engine's processes (not a split rollout pool)."""
+    each step; it needs the actor in the engine's processes (not a split rollout pool). None: the run plan
+    decides (2 for the native engine colocated with the actor on CPU hosts without LoRA, else 1)."""
     weight_sync_bucket_mb: int = 0
     """Weights are gathered from the FSDP2 shards and pushed to the engine in buckets of this size (MiB).
     0: 512 on GPU, 32 on CPU, where every large gathered bucket (and gloo's staging copy of it) is fresh
@@ -102,7 +107,7 @@ class RolloutConfig:
     """Bypass mode (veRL): the engine's sampling-time log-probs serve as the PPO old log-probs and the
     actor's old_log_prob pass is skipped. Exact only when the engine computes what the trainer would
     (same weights, dtype, kernels); the update logs the gap (training/rollout_*)."""
-    native_impl: str = "auto"
+    native_impl: NativeImpl = "auto"
     """Native engine forward: "fused" (own decoder over the HF weights with a static KV cache; Qwen2,
     Qwen3, Llama, Mistral), "hf" (drives the HF model with its cache; any causal LM) or "auto"."""
     native_compile: bool = False
@@ -115,7 +120,7 @@ class RolloutConfig:
     Greedy output is unchanged (== HF generate); sampling draws the same uniforms, so the same seed
     gives the same tokens unless compiled logits, which may differ from eager in the last bits, flip
     a near-tie."""
-    native_prefix_sharing: str = "auto"
+    native_prefix_sharing: PrefixSharing = "auto"
     """Native engine, n > 1: each prompt is prefilled once for its n samples (3/4 of the prefill FLOPs
     at n=4). "copy": the prefill's keys and values are copied to the prompt's rows, and decoding is
     what it is without sharing: on one CPU thread per rank (torchrun's default) the same logits bit for
@@ -143,7 +148,7 @@ class RolloutConfig:
     remote_weights_dir: str = ""
     """rollout.name=remote with remote_weight_sync=vllm: a folder the trainer and every server see at
     this same path; each weight sync writes a safetensors snapshot there (the newest one is kept)."""
-    remote_weight_sync: str = "vllm"
+    remote_weight_sync: Literal["vllm", "none"] = "vllm"
     """rollout.name=remote: how weights reach the servers: "vllm" (snapshot + /collective_rpc
     reload_weights; servers run with VLLM_SERVER_DEV_MODE=1) or "none" (servers keep their weights)."""
     remote_timeout_s: float = 300.0
@@ -179,7 +184,7 @@ class RolloutConfig:
             raise ValueError("rollout.tensor_model_parallel_size must be >= 1")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("rollout.max_num_batched_tokens and rollout.max_num_seqs must be >= 1")
-        if self.sleep_level not in (1, 2):
+        if self.sleep_level not in (None, 1, 2):
             raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
         if self.weight_sync_bucket_mb < 0:
             raise ValueError("rollout.weight_sync_bucket_mb must be >= 0 (0: 512 on GPU, 32 on CPU)")

@@ -90,7 +90,7 @@ class VLLMRollout:
     def sleep(self) -> None:
         """GPU with free_cache_engine: release the KV cache (and weights, per sleep_level)."""
         if self.config.free_cache_engine and not self._asleep:
-            vllm_backend.sleep(self.llm, self.config.sleep_level)
+            vllm_backend.sleep(self.llm, self.config.sleep_level or 1)
             self._asleep = True
             self.memory["after_sleep_gb"] = cuda_memory_gb(self.device)
 

@@ -10,7 +10,7 @@ the data-parallel size); every `*_per_gpu` size counts rows on one rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from tinyzero.algorithms import KL_ESTIMATORS as KL_LOSS_TYPES  # one table each, in algorithms
 from tinyzero.algorithms import LOSS_AGG_MODES
@@ -19,8 +19,10 @@ from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.rewards.config import RewardManagerName
 from tinyzero.rollout.config import RolloutConfig
 
-WARMUP_STYLES = ("constant", "cosine")
-OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+WarmupStyle = Literal["constant", "cosine"]
+OptimImplementation = Literal["auto", "fused", "foreach", "for-loop"]
+WARMUP_STYLES = get_args(WarmupStyle)
+OPTIM_IMPLEMENTATIONS = get_args(OptimImplementation)
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 
@@ -118,7 +120,7 @@ class OptimConfig:
     """Cosine only: the learning rate decays to `min_lr_ratio * lr`."""
     num_cycles: float = 0.5
     """Cosine only: number of cosine periods over the decay phase (0.5 = one half-cosine down)."""
-    warmup_style: str = "constant"
+    warmup_style: WarmupStyle = "constant"
     """After warmup: "constant" or "cosine"."""
     total_training_steps: int = -1
     """Optimizer steps of the whole run; the trainer fills it in (needed by cosine and the warmup ratio)."""
@@ -128,7 +130,7 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    implementation: str = "auto"
+    implementation: OptimImplementation = "auto"
     """AdamW kernel: "fused" (one kernel over all parameters, on CPU and GPU), "foreach" (a few
     multi-tensor ops per step; the same numbers as "for-loop" bit for bit), "for-loop" (one parameter at
     a time, torch's own choice on CPU). "auto": fused when every trainable parameter is on CPU or CUDA,
