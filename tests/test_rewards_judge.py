@@ -3,6 +3,7 @@ against plain HF generate, and judge scores through the RewardManager into GRPO 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -70,12 +71,17 @@ def test_config_errors_name_the_setting(kwargs, text):
 
 
 def test_judge_settings_from_the_command_line():
-    from tinyzero.config.parse import parse_args
+    from tinyzero.cli import parse_args
 
     cfg = parse_args(["--preset", "demo_cpu", "--reward.judge.enable", "true", "--reward.judge.url",
                       "http://127.0.0.1:9", "--reward.judge.data_sources", "open_qa", "chat"])
     assert cfg.reward.judge.enable and cfg.reward.judge.data_sources == ["open_qa", "chat"]
     assert cfg.reward.judge.judges("chat") and not cfg.reward.judge.judges("arithmetic")
+    hydra = parse_args(["--preset", "demo_cpu", "reward.judge.enable=true", "reward.judge.url=http://127.0.0.1:9",
+                        "reward.judge.data_sources=[open_qa,chat]", "reward.judge.mode=pairwise"])
+    assert hydra.reward.judge == dataclasses.replace(cfg.reward.judge, mode="pairwise")
+    with pytest.raises(ValueError, match=r"^reward.judge.enable=true needs exactly one of"):
+        parse_args(["--preset", "demo_cpu", "reward.judge.enable=true"])
 
 
 # ---------------------------------------------------------------------------------------------- a judge server

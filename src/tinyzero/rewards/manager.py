@@ -21,6 +21,10 @@ scorers are trusted and run in-process (a pool only for large batches). A scorer
 returns no valid finite score, or runs out of the batch budget stops the run with the sample and
 the traceback (reward.on_error="raise", the default), or scores 0 and is counted ("zero").
 
+With reward.judge.enable, the samples of the data_sources the judge names are scored by an LLM judge
+(tinyzero.rewards.judge; pointwise on each rank's share, or pairwise within each uid group) and the rest
+by their rules, in the same batch; judge faults and unparsable verdicts follow reward.on_error.
+
 Every key of a scorer's dict result travels as `RewardOutput.reward_extra_info` (key -> one plain
 value per sample, None where a sample's result lacks the key) and in the per-sample records.
 
