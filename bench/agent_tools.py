@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
 
+    from tinyzero.agent import build_agent_engine
     from tinyzero.rollout import RolloutConfig, build_rollout
 
     tok = AutoTokenizer.from_pretrained(a.model_path, padding_side="left")
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["direct_greedy"] = run(engine, tok, SYSTEM_DIRECT, pairs, 1, False, a.seed)
     engine.shutdown()
     mt = {"enable": True, "tools": ["calculator"], "max_turns": 3, "num_tool_workers": 2}
-    agent = build_rollout(RolloutConfig(**common, multi_turn=mt), a.model_path, tok, device="cpu", load_weights=True)
+    agent = build_agent_engine(RolloutConfig(**common, multi_turn=mt), a.model_path, tok, device="cpu",
+                               load_weights=True)
     try:
         result["tools_greedy"] = run(agent, tok, SYSTEM_TOOLS, pairs, 1, False, a.seed)
         result["tools_sampled"] = run(agent, tok, SYSTEM_TOOLS, pairs, a.samples, True, a.seed)

@@ -8,7 +8,7 @@ stop reasons, turn and tool counts, and the rows of each engine call. A turn end
 tool call's closing tag (the scripted engine writes on past it, as an engine that ignores stop
 sequences would; the loop keeps the tokens up to the tag), or at the stop token with
 stop_at_tool_call off. Then the real native engine
-on the tiny model through build_rollout (rollout.multi_turn.enable, an environment that always
+on the tiny model through build_agent_engine (rollout.multi_turn.enable, an environment that always
 answers): the actor's log-probs of the sampled tokens equal the engine's within 1e-4 (fp32).
 """
 
@@ -278,7 +278,7 @@ def test_native_engine_log_probs_match_actor(tiny_model_dir, tmp_path, tok):
     """The real native engine in the loop: actor log-probs of the sampled tokens == rollout's (1e-4, fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from tinyzero.rollout import build_rollout
+    from tinyzero.agent import build_agent_engine
     from tinyzero.rollout.config import RolloutConfig
     from tinyzero.workers.actor import PPOActor
     from tinyzero.workers.config import ActorConfig
@@ -290,7 +290,7 @@ def test_native_engine_log_probs_match_actor(tiny_model_dir, tmp_path, tok):
     R = 40
     cfg = RolloutConfig(name="native", response_length=R, prompt_length=32, dtype="fp32",
                         multi_turn={"enable": True, "environment": f"{path}:Again", "max_turns": 4})
-    engine = build_rollout(cfg, tiny_model_dir, tok, device="cpu", load_weights=True)
+    engine = build_agent_engine(cfg, tiny_model_dir, tok, device="cpu", load_weights=True)
     prompts = _prompts(tok, ["case-a", "case-bb", "case-ccc"], n=2)
     # Many stop ids, so the random tiny model ends its turns within a few tokens.
     prompts.meta_info.update(stop_token_ids=list(range(3, 120)), seed=11)

@@ -164,11 +164,11 @@ def run_tool_agent(model_dir: str, name: str, stop_at_tool_call: bool = True):
     """One greedy multi-turn rollout of USER with the calculator tool on engine `name`."""
     from transformers import AutoTokenizer
 
-    from tinyzero.rollout import build_rollout
+    from tinyzero.agent import build_agent_engine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = build_rollout(tool_agent_config(name, stop_at_tool_call), model_dir, tok, device="cpu",
-                           load_weights=True)
+    engine = build_agent_engine(tool_agent_config(name, stop_at_tool_call), model_dir, tok, device="cpu",
+                                load_weights=True)
     engine.wake_up()
     try:
         return engine.generate_sequences(tool_batch(tok))

@@ -203,7 +203,7 @@ def test_pool_start_error_names_the_tool(tmp_path):
 
 
 def test_config_validation():
-    from tinyzero.agent.config import MultiTurnConfig
+    from tinyzero.rollout.multi_turn import MultiTurnConfig
 
     assert MultiTurnConfig(enable=True, tools="calculator,x.py:Y").tools == ["calculator", "x.py:Y"]
     for kwargs, field in [({"enable": True}, "multi_turn.tools"), ({"max_turns": 0}, "max_turns"),

@@ -32,7 +32,8 @@ def _worker(model_dir: str, env_spec: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.test_agent_loop import _prompts
-    from tinyzero.rollout import RolloutConfig, build_rollout
+    from tinyzero.agent import build_agent_engine
+    from tinyzero.rollout import RolloutConfig
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -41,8 +42,8 @@ def _worker(model_dir: str, env_spec: str):
                   multi_turn={"enable": True, "environment": env_spec, "max_turns": 4})
     results = {}
     for name in ("native", "vllm"):
-        engine = build_rollout(RolloutConfig(name=name, **common), model_dir, tok, device="cpu",
-                               load_weights=True)
+        engine = build_agent_engine(RolloutConfig(name=name, **common), model_dir, tok, device="cpu",
+                                    load_weights=True)
         engine.wake_up()
         batch = _prompts(tok, ["case-a", "case-bb", "case-ccc"])
         batch.meta_info.update(do_sample=False, stop_token_ids=list(range(3, 120)))
@@ -86,14 +87,15 @@ def _stop_worker(model_dir: str):
     from transformers import AutoTokenizer
 
     from tests.test_agent_stop import run_tool_agent, tool_agent_config, tool_batch
-    from tinyzero.rollout import build_rollout
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     keys = ("responses", "response_mask", "attention_mask", "rollout_log_probs")
     native = run_tool_agent(model_dir, "native")
-    agent = build_rollout(tool_agent_config("vllm"), model_dir, tok, device="cpu", load_weights=True)
+    from tinyzero.agent import build_agent_engine
+
+    agent = build_agent_engine(tool_agent_config("vllm"), model_dir, tok, device="cpu", load_weights=True)
     agent.wake_up()
     vllm = agent.generate_sequences(tool_batch(tok))
     results = {"native": {k: native.batch[k].tolist() for k in keys},

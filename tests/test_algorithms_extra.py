@@ -173,7 +173,7 @@ def test_policy_loss_config_validation():
 
 
 def test_unknown_policy_loss_is_a_config_error():
-    from tinyzero.config.parse import parse_args
+    from tinyzero.cli import parse_args
 
     with pytest.raises((ValueError, SystemExit)):
         parse_args(["--preset", "demo_cpu", "--actor_rollout_ref.actor.policy_loss.loss_mode", "nope"])
@@ -200,7 +200,7 @@ def test_cispo_matches_loop_and_keeps_every_gradient():
 
 
 def test_gspo_needs_sequence_mean_aggregation():
-    from tinyzero.config.parse import parse_args
+    from tinyzero.cli import parse_args
 
     base = ["--preset", "demo_cpu", "--actor_rollout_ref.actor.policy_loss.loss_mode", "gspo"]
     with pytest.raises((ValueError, SystemExit)):

@@ -143,7 +143,7 @@ def test_on_policy_pipeline_equals_the_synchronous_loop(setup):
 
 
 def _generation_fails_on_rollout_pool(argv: list[str]):
-    from tinyzero.config.parse import parse_args
+    from tinyzero.cli import parse_args
     from tinyzero.distributed import get_rank, init_distributed
     from tinyzero.single_controller.failure import RemoteWorkerError
     from tinyzero.trainer.builder import build_ppo_trainer

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.test_async import ENV, ROOT, _args, _cmd, _config, setup  # noqa: F401 - setup is a fixture
-from tests.test_rollout_weight_sync import _model  # a tiny random Qwen2 (vocab 97, eos 1, pad 0)
+from tests.test_full_params import _model  # a tiny random Qwen2 (vocab 97, eos 1, pad 0)
 from tinyzero.trainer.loggers import read_metrics
 
 

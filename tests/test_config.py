@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 from tinyzero.configs import PRESETS
 
+from tinyzero.cli import load_preset, parse_args
 from tinyzero.config import Config, check_model_context
-from tinyzero.config.parse import dump_yaml, load_preset, load_yaml, merge_dict, parse_args, to_dict
+from tinyzero.config.parse import dump_yaml, load_yaml, merge_dict, to_dict
 from tinyzero.plan import plan_run
 
 REQUIRED_PRESETS = {"demo_cpu", "countdown_qwen2_5_3b_ppo", "countdown_qwen2_5_3b_grpo", "gsm8k_grpo", "sft", "rm"}

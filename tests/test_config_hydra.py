@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from tinyzero.cli import parse_args
 from tinyzero.config import ConfigError
-from tinyzero.config.parse import load_yaml, parse_args
+from tinyzero.config.parse import load_yaml
 
 
 def test_key_value_typed_as_hydra_types_them():

@@ -17,8 +17,8 @@ from tests.test_e2e_train import ENV, ROOT, _cmd, torchrun
 from tests.test_rewards_manager import _batch
 from tinyzero.algorithms.config import FilterGroupsConfig
 from tinyzero.algorithms.dynamic_sampling import FILTER_METRICS, filter_groups
+from tinyzero.cli import load_preset
 from tinyzero.config import ConfigError, check_config
-from tinyzero.config.parse import load_preset
 from tinyzero.protocol import DataProto
 from tinyzero.rewards import RewardConfig, RewardManager
 from tinyzero.rewards.config import OverlongBufferConfig

@@ -260,8 +260,9 @@ def test_every_train_command_of_the_pages_parses(tmp_path):
     a `--config FILE` reads a saved default config instead."""
     import shlex
 
+    from tinyzero.cli import parse_args
     from tinyzero.config import Config
-    from tinyzero.config.parse import dump_yaml, parse_args
+    from tinyzero.config.parse import dump_yaml
 
     saved = tmp_path / "config.yaml"
     dump_yaml(Config(), str(saved))

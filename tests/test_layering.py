@@ -1,10 +1,11 @@
 """Layers point down: trainer -> workers -> rollout / models / algorithms -> protocol, single_controller, kernels.
 
-Every import in src/tinyzero (module level and inside functions: a lazy import is still an arrow)
-is checked against LAYERS; an import of a higher layer fails with the file, line and the two
-layers. Packages of one layer may import each other (rollout uses models, models' LoRA uses
-rollout's weight streamer). KNOWN_UPWARD lists the arrows that still run up, each with its reason:
-the list may only shrink.
+Every import in src/tinyzero, kernels/ and configs/ (installed as tinyzero.kernels and
+tinyzero.configs; module level and inside functions: a lazy import is still an arrow) is checked
+against LAYERS; an import of a higher layer fails with the file, line and the two layers. Packages
+of one layer may import each other, but never in a circle: the package graph has no cycle (the
+test names one, with a file and line per arrow). KNOWN_UPWARD lists the arrows that still run up,
+each with its reason: the list may only shrink.
 
     python tests/test_layering.py        # prints every upward arrow
 """
@@ -16,16 +17,19 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "tinyzero"
+# the folders installed as packages of tinyzero from outside src/ (pyproject's package-dir)
+TOP_LEVEL = {"kernels": ROOT / "kernels", "configs": ROOT / "configs"}
 
 # package (first name below tinyzero) -> layer; a module may import its own layer and the ones below.
 LAYERS = {
     "trainer": 5, "demo": 5, "demo_tools": 5, "plot": 5, "config": 5, "configs": 5, "model_merger": 5, "plan": 5,
+    "cli": 5,
     "workers": 4,
     "rollout": 3, "models": 3, "algorithms": 3, "agent": 3, "rewards": 3, "data": 3,
     "protocol": 1, "single_controller": 1, "kernels": 1, "distributed": 1, "runtime": 1,
 }
 
-# (importing file relative to src/tinyzero, imported module) -> why it still runs up
+# (importing file relative to the repository, imported module) -> why it still runs up
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
@@ -35,14 +39,19 @@ def _package(module: str) -> str | None:
     return parts[1] if parts[0] == "tinyzero" and len(parts) > 1 else None
 
 
-def upward_imports() -> list[tuple[str, int, str, str, str]]:
-    """(file, line, imported module, file's package, imported package) for each import of a higher layer."""
+def source_files() -> list[tuple[str, str, pathlib.Path]]:
+    """(path relative to the repository, package below tinyzero, path) of every module checked."""
+    files = [(p.relative_to(ROOT).as_posix(), p.relative_to(SRC).as_posix().split("/")[0].removesuffix(".py"), p)
+             for p in sorted(SRC.rglob("*.py"))]
+    for package, folder in TOP_LEVEL.items():
+        files += [(p.relative_to(ROOT).as_posix(), package, p) for p in sorted(folder.rglob("*.py"))]
+    return [(rel, own, p) for rel, own, p in files if own in LAYERS]
+
+
+def imports() -> list[tuple[str, int, str, str, str]]:
+    """(file, line, imported module, file's package, imported package) for each import of another package."""
     out = []
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC).as_posix()
-        own = rel.split("/")[0].removesuffix(".py")
-        if own not in LAYERS:
-            continue
+    for rel, own, path in source_files():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
@@ -56,9 +65,39 @@ def upward_imports() -> list[tuple[str, int, str, str, str]]:
                     continue
                 if other not in LAYERS:
                     raise AssertionError(f"{rel}:{node.lineno}: tinyzero.{other} has no layer; add it to LAYERS")
-                if LAYERS[other] > LAYERS[own] and (rel, name) not in KNOWN_UPWARD:
-                    out.append((rel, node.lineno, name, own, other))
+                out.append((rel, node.lineno, name, own, other))
     return out
+
+
+def upward_imports() -> list[tuple[str, int, str, str, str]]:
+    """The imports of a higher layer (KNOWN_UPWARD left out)."""
+    return [i for i in imports() if LAYERS[i[4]] > LAYERS[i[3]] and (i[0], i[2]) not in KNOWN_UPWARD]
+
+
+def package_cycle() -> list[tuple[str, str, str]]:
+    """One circle of the package graph as its arrows (package, imported package, "file:line"), or []."""
+    arrows: dict[str, dict[str, str]] = {}
+    for rel, line, _name, own, other in imports():
+        arrows.setdefault(own, {}).setdefault(other, f"{rel}:{line}")
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(arrows.get(node, {})):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(arrows):
+        if start not in state and (circle := visit(start)):
+            return [(a, b, arrows[a][b]) for a, b in zip(circle, circle[1:])]
+    return []
 
 
 def test_every_package_has_a_layer():
@@ -76,10 +115,23 @@ def test_imports_point_down():
         for f, line, name, own, other in bad)
 
 
+def test_no_circle_between_packages():
+    circle = package_cycle()
+    assert not circle, "the packages import each other in a circle (move the shared piece below them):\n" + \
+        "\n".join(f"  {a} -> {b}  ({where})" for a, b, where in circle)
+
+
+def test_every_top_level_package_is_checked():
+    """kernels/ and configs/ are checked like src/tinyzero (their files are found and their imports seen)."""
+    packages = {own for _rel, own, _path in source_files()}
+    assert {"kernels", "configs"} <= packages
+    assert any(own == "configs" and other == "config" for _r, _l, _n, own, other in imports())
+
+
 def test_known_upward_arrows_still_exist():
     """An arrow that was removed must leave KNOWN_UPWARD too (the list only shrinks)."""
     for rel, name in KNOWN_UPWARD:
-        tree = ast.parse((SRC / rel).read_text())
+        tree = ast.parse((ROOT / rel).read_text())
         found = any(isinstance(n, ast.ImportFrom) and n.module == name for n in ast.walk(tree))
         assert found, f"{rel} no longer imports {name}: drop it from KNOWN_UPWARD"
 
@@ -87,3 +139,5 @@ def test_known_upward_arrows_still_exist():
 if __name__ == "__main__":
     for f, line, name, own, _other in upward_imports():
         print(f"{f}:{line}: {own} -> {name}")
+    for a, b, where in package_cycle():
+        print(f"circle: {a} -> {b} ({where})")

@@ -25,8 +25,8 @@ from tinyzero.algorithms import (
     register_policy_loss,
 )
 from tinyzero.algorithms.config import AlgorithmConfig
+from tinyzero.cli import load_preset, parse_args
 from tinyzero.config import ConfigError, check_config
-from tinyzero.config.parse import load_preset, parse_args
 
 GROUPED = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"}
 

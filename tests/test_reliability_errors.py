@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from tinyzero.cli import parse_args
 from tinyzero.config import ConfigError
-from tinyzero.config.parse import parse_args
 from tinyzero.data.schema import validate_rl_parquet, write_parquet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -47,7 +47,7 @@ def _expected_prompts(train_file: str, seed: int, steps: int) -> list[Counter]:
 
 
 def test_resume_two_one_two_ranks(tmp_path, tiny_model_dir):
-    from tinyzero.config.parse import load_preset
+    from tinyzero.cli import load_preset
     from tinyzero.demo import build_data
 
     build_data(str(tmp_path / "data"))

@@ -78,8 +78,8 @@ def _fsdp_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from tinyzero.distributed.full_params import iter_full_params
     from tinyzero.distributed.shm_comm import use_shm_collectives
-    from tinyzero.rollout.weight_sync import iter_full_params
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

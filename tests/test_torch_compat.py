@@ -23,7 +23,7 @@ del api.AllGather, api.ReduceScatter  # as in torch releases without FSDP2's cus
 
 import tinyzero.distributed.shm_comm as shm
 import tinyzero.models.fsdp  # noqa: F401
-import tinyzero.rollout.weight_sync  # noqa: F401
+import tinyzero.distributed.full_params  # noqa: F401
 assert shm.FSDP_HOOKS is False
 
 class Unit:

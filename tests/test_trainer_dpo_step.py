@@ -26,7 +26,7 @@ PAIRS, MICRO_ROWS, STEPS = 8, 2, 2
 
 
 def dpo_steps_rank_fn(model_dir: str, root: str):
-    from tinyzero.config.parse import parse_args
+    from tinyzero.cli import parse_args
     from tinyzero.distributed import init_distributed, set_seed
     from tinyzero.trainer.dpo import build_dpo_trainer
 

@@ -525,7 +525,7 @@ def test_balance_batch_moves_groups_whole():
 
 def trainer_rank_fn(model_dir: str, data_dir: str, out_dir: str):
     """One GRPO step through build_ppo_trainer + fit, with and without the old_log_prob pass."""
-    from tinyzero.config.parse import load_preset
+    from tinyzero.cli import load_preset
     from tinyzero.distributed import init_distributed, set_seed
     from tinyzero.trainer.builder import build_ppo_trainer
 

@@ -87,6 +87,22 @@ def print_table(before: dict, after: dict) -> None:
         print(f"{k:<{width}}  {before.get(k, float('nan')):>17.3f}  {after[k]:>16.3f}")
 
 
+def validate_without_tools(nproc: int, out: str, common: list[str], env: dict) -> float:
+    """The tools demo: validation accuracy of the trained policy (OUT/grpo/hf_model) with the calculator
+    disabled; printed."""
+    from tinyzero import demo_tools
+    from tinyzero.trainer.val_metrics import core_mean
+
+    torchrun(nproc, ["--preset", "demo_cpu_tools", *common, f"--actor_rollout_ref.model.path={out}/grpo/hf_model",
+                     f"--trainer.default_local_dir={out}/no_tools", "--trainer.val_only=true",
+                     "--actor_rollout_ref.rollout.multi_turn.enable=false"], env)
+    without = core_mean(summary(os.path.join(out, "no_tools"))[-1], demo_tools.DATA_SOURCE)
+    with_tools = core_mean(summary(os.path.join(out, "grpo"))[-1], demo_tools.DATA_SOURCE)
+    print(f"\nvalidation accuracy of the trained policy: {with_tools:.3f} with the calculator, "
+          f"{without:.3f} without it")
+    return without
+
+
 def tasks() -> dict[str, tuple]:
     """--task name -> (build_data, tiny-model arguments, SFT preset, GRPO preset, default --out)."""
     from tinyzero import demo_tools
@@ -131,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     before, after = summary(os.path.join(out, "grpo"))
     print_table(before, after)
     if args.task == "tools":
-        from tinyzero.demo_tools import validate_without_tools
-
         validate_without_tools(args.nproc, out, common, env)
     curves = os.path.join(out, "grpo", "curves.png")
     curves = curves if os.path.exists(curves) else "not drawn (pip install matplotlib)"

@@ -45,9 +45,6 @@ from __future__ import annotations
 import os
 import random
 
-from tinyzero.demo import summary, torchrun
-from tinyzero.trainer.val_metrics import core_mean
-
 DATA_SOURCE = "arithmetic"
 A_RANGE = (10, 99)
 B_RANGE = (100, 999)
@@ -114,14 +111,3 @@ def build_data(out_dir: str, seed: int = 0) -> None:
     write_parquet([{"messages": warmup_conversation(a, b, rng)} for a, b in sft],
                   os.path.join(out_dir, "sft.parquet"))
 
-
-def validate_without_tools(nproc: int, out: str, common: list[str], env: dict) -> float:
-    """Validation accuracy of the trained policy (OUT/grpo/hf_model) with the calculator disabled; printed."""
-    torchrun(nproc, ["--preset", "demo_cpu_tools", *common, f"--actor_rollout_ref.model.path={out}/grpo/hf_model",
-                     f"--trainer.default_local_dir={out}/no_tools", "--trainer.val_only=true",
-                     "--actor_rollout_ref.rollout.multi_turn.enable=false"], env)
-    without = core_mean(summary(os.path.join(out, "no_tools"))[-1], DATA_SOURCE)
-    with_tools = core_mean(summary(os.path.join(out, "grpo"))[-1], DATA_SOURCE)
-    print(f"\nvalidation accuracy of the trained policy: {with_tools:.3f} with the calculator, "
-          f"{without:.3f} without it")
-    return without

@@ -2,7 +2,8 @@
 
     rollout.multi_turn.enable=True  rollout.multi_turn.tools=[calculator]  rollout.name=native|vllm
 
-`AgentRollout` (loop.py) wraps whichever engine rollout.name builds: it calls the inner engine on
+`AgentRollout` (loop.py) wraps whichever engine rollout.name builds (`build_agent_engine` builds the
+engine and wraps it when multi_turn.enable): it calls the inner engine on
 the samples still active (samples in different turns batched together), parses tool calls
 (parser.py), runs the tools in a sandboxed worker-process pool (pool.py, tool_worker.py), appends
 the observation as the chat template's tokens (chat.py) and continues up to max_turns and the
@@ -15,13 +16,12 @@ Heavy modules (torch) are imported lazily so that tool worker processes stay lig
 
 from __future__ import annotations
 
-from tinyzero.agent.config import MultiTurnConfig
-
-__all__ = ["AgentRollout", "ENVIRONMENTS", "Environment", "MultiTurnConfig", "TOOLS", "Tool", "load_environment",
+__all__ = ["AgentRollout", "build_agent_engine", "ENVIRONMENTS", "Environment", "MultiTurnConfig", "TOOLS", "Tool", "load_environment",
            "load_tool", "parse_tool_calls", "register_environment", "register_tool"]
 
 _LAZY = {
-    "AgentRollout": "tinyzero.agent.loop",
+    "AgentRollout": "tinyzero.agent.loop", "build_agent_engine": "tinyzero.agent.loop",
+    "MultiTurnConfig": "tinyzero.rollout.multi_turn",
     "ENVIRONMENTS": "tinyzero.agent.environment", "Environment": "tinyzero.agent.environment",
     "load_environment": "tinyzero.agent.environment", "register_environment": "tinyzero.agent.environment",
     "TOOLS": "tinyzero.agent.tools", "Tool": "tinyzero.agent.tools", "load_tool": "tinyzero.agent.tools",

@@ -313,9 +313,19 @@ def _turn_length(s: _Sample) -> int:
     return len(s.model) - k
 
 
+def build_agent_engine(config, model_path: str, tokenizer=None, **kwargs):
+    """The engine `config` names (tinyzero.rollout.build_rollout, with its keyword arguments), inside the
+    agent loop when rollout.multi_turn.enable: what the rollout worker generates with."""
+    from tinyzero.rollout.engine import build_rollout
+
+    engine = build_rollout(config, model_path, tokenizer, **kwargs)
+    if not config.multi_turn.enable:
+        return engine
+    return wrap_engine(engine, config, tokenizer, model_path, kwargs.get("trust_remote_code", False))
+
+
 def wrap_engine(engine, config, tokenizer=None, model_path: str = "", trust_remote_code: bool = False) -> AgentRollout:
-    """`engine` inside the agent loop (build_rollout calls this when rollout.multi_turn.enable);
-    the tokenizer is read from model_path when not given."""
+    """`engine` inside the agent loop; the tokenizer is read from model_path when not given."""
     if tokenizer is None:
         from tinyzero.models.loading import load_tokenizer
 

@@ -2,7 +2,8 @@
 keys (verl). What a run derives from it on a world of ranks is the run plan (tinyzero.plan).
 
     from tinyzero.config import Config, ConfigError
-    from tinyzero.config.parse import parse_args, load_yaml, dump_yaml
+    from tinyzero.config.parse import load_yaml, dump_yaml
+    from tinyzero.cli import parse_args
 """
 
 from tinyzero.config.root import (

@@ -14,15 +14,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
-import sys
 import types
 import typing
 from typing import Any, Literal
 
 import yaml
 
-from tinyzero.config import MODES, Config, ConfigError, nearest
+from tinyzero.config import Config, ConfigError, nearest
 
 
 def to_dict(cfg: Any) -> Any:
@@ -182,15 +180,6 @@ def _resolve_interpolations(values: dict, base: Config) -> dict:
 
 
 # --------------------------------------------------------------------------- presets and CLI
-
-
-def load_preset(name: str) -> Config:
-    """The root config a preset function in tinyzero.configs returns."""
-    from tinyzero.configs import PRESETS
-
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}{nearest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}")
-    return PRESETS[name]()
 
 
 def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
@@ -455,50 +444,3 @@ def _check_known(name: str, key: str, text: str | None) -> None:
 
 def _accepts_str(hint: Any) -> bool:
     return hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint))
-
-
-def parse_args(argv: list[str] | None = None) -> Config:
-    """`[MODE] [--preset NAME] [--config FILE] [--section.field VALUE | section.field=VALUE ...]` -> Config.
-
-    MODE (ppo|sft|rm|dpo) sets trainer.mode; the preset gives the defaults, the YAML file (tinyzero's
-    saved config.yaml or a veRL-style config) overrides them, the settings override both, in order.
-    Settings take tinyzero's flags (`--trainer.total_epochs 2`) and Hydra's override grammar as veRL's
-    scripts write it (`trainer.total_epochs=2`, `+trainer.val_before_train=False`, `~key`); veRL's keys
-    resolve onto tinyzero's (tinyzero.config.verl, docs/verl.md).
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    mode = None
-    if args and args[0] in MODES:
-        mode = args.pop(0)
-    args, preset = _pop_option(args, "--preset")
-    args, config_path = _pop_option(args, "--config")
-    args, config_dir = _pop_option(args, "--config-path")
-    args, config_name = _pop_option(args, "--config-name")
-    if config_name and not config_path:  # veRL's launcher: --config-path DIR --config-name NAME
-        name = config_name if config_name.endswith((".yaml", ".yml")) else config_name + ".yaml"
-        config_path = os.path.join(config_dir or ".", name)
-    base = load_preset(preset) if preset else Config()
-    if config_path:
-        base = load_yaml(config_path, base)
-    if mode is not None:
-        base = merge_dict(base, {"trainer": {"mode": mode}})
-    if "--help" in args or "-h" in args:
-        _print_help(base)
-    return apply_settings(base, _flag_ops(args))
-
-
-def _print_help(base: Config) -> None:
-    """`--help`: every field with its docstring (tyro), under the preset's and file's values; exits."""
-    import tyro
-
-    from tinyzero.configs import PRESETS
-
-    description = (
-        "tinyzero: RL post-training (PPO/GRPO/...), SFT, RM and DPO.\n\n"
-        "usage: train.py [ppo|sft|rm|dpo] [--preset NAME] [--config run.yaml] [--section.field VALUE ...] "
-        "[section.field=VALUE ...]\n"
-        "Settings are tinyzero flags or Hydra overrides (veRL's keys too: docs/verl.md); the later one wins.\n"
-        f"presets: {', '.join(sorted(PRESETS))}"
-    )
-    tyro.cli(Config, default=base, args=["--help"], description=description, use_underscores=True,
-             config=(tyro.conf.FlagConversionOff,))

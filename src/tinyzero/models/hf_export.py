@@ -2,7 +2,7 @@
 
     export_hf(model, out_dir, hf_config=model.config, tokenizer=tok)   # every rank of the model's mesh
 
-Tensors are gathered one at a time (tinyzero.rollout.weight_sync's streamer), moved to CPU and handed to the
+Tensors are gathered one at a time (tinyzero.distributed.full_params's streamer), moved to CPU and handed to the
 first rank, which writes them in safetensors shards of at most `max_shard_bytes` plus
 `model.safetensors.index.json`; no rank ever holds the whole model on its accelerator, and
 rank 0 holds at most one shard on CPU. Tied weights are written once (as `save_pretrained`
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tinyzero.rollout.weight_sync import iter_full_params, named_tensors
+from tinyzero.distributed.full_params import iter_full_params, named_tensors
 
 
 def iter_export_tensors(model: nn.Module, dtype: torch.dtype | None = None):

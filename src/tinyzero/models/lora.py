@@ -145,7 +145,7 @@ def replace_with_lora(model: nn.Module, name: str, spec: LoraSpec, dtype: torch.
 
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
     """The model's LoraLinear layers by HF module name (wrapper prefixes stripped)."""
-    from tinyzero.rollout.weight_sync import clean_param_name
+    from tinyzero.distributed.full_params import clean_param_name
 
     return {clean_param_name(n): m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
 
@@ -279,7 +279,7 @@ def save_adapter(model: nn.Module, out_dir: str, spec: LoraSpec, base_model_path
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from tinyzero.rollout.weight_sync import iter_full_params
+    from tinyzero.distributed.full_params import iter_full_params
 
     writer = not dist.is_initialized() or dist.get_rank(process_group) == 0
     tensors = {}
@@ -363,7 +363,7 @@ def sync_adapters(model: nn.Module, engine, bucket_bytes: int, with_base: bool) 
     new adapter version in memory (`update_adapter`); one with `update_lora(stream, scaling)` (the native
     one) merges them into its own copy. Other engines get every weight, the adapted layers merged
     trainer-side (a partial in-place reload in vLLM 0.32 re-initializes the layers it leaves out)."""
-    from tinyzero.rollout.weight_sync import iter_full_params
+    from tinyzero.distributed.full_params import iter_full_params
 
     scaling = layer_scaling(model)
     serves = getattr(engine, "serves_adapters", False)

@@ -52,7 +52,7 @@ def _state_dicts(model, optimizer, trainable_only: bool):
     (LoRA adapters: the frozen base is read from the model folder)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from tinyzero.rollout.weight_sync import clean_param_name
+    from tinyzero.distributed.full_params import clean_param_name
 
     model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
     if trainable_only:

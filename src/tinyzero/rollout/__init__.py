@@ -25,6 +25,7 @@ Decisions (numbers from bench/rollout.py on the 2-core CPU machine):
 
 from __future__ import annotations
 
+from tinyzero.distributed.full_params import iter_full_params
 from tinyzero.rollout.config import RolloutConfig, ValKwargs
 from tinyzero.rollout.engine import (
     ENGINES,
@@ -34,7 +35,6 @@ from tinyzero.rollout.engine import (
     register_engine,
     sampling_params,
 )
-from tinyzero.rollout.weight_sync import iter_full_params
 
 __all__ = ["ENGINES", "RolloutConfig", "RolloutEngine", "SamplingParams", "ValKwargs", "build_rollout",
            "iter_full_params", "register_engine", "sampling_params"]

@@ -6,8 +6,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from tinyzero.agent.config import MultiTurnConfig
 from tinyzero.rollout.engine import check_sampling, engine_names
+from tinyzero.rollout.multi_turn import MultiTurnConfig
 
 RolloutDtype = Literal["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 NativeImpl = Literal["auto", "fused", "hf"]

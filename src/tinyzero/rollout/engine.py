@@ -261,8 +261,8 @@ def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_con
     when load_weights is True). hf_config: the model's config (read from model_path when None).
     dp_rank: this rank's data-parallel index (rank // tensor_model_parallel_size); it decorrelates
     the samplers of different DP ranks. load_weights: start from the checkpoint's weights instead of
-    waiting for update_weights. tokenizer: engines work on ids; the multi-turn agent loop
-(rollout.multi_turn.enable) renders observations with it (read from model_path when None).
+    waiting for update_weights. tokenizer: engines work on ids (the agent loop that
+tinyzero.agent.build_agent_engine wraps around the engine renders observations with it).
     lora_rank: model.lora_rank; > 0 builds vLLM with its LoRA layers (adapter-only syncs).
     tp_group: the process group of this rank's rollout tensor-parallel group (tensor_model_parallel_size
     consecutive ranks), which the native engine splits its decode over; vLLM builds its own groups.
@@ -281,9 +281,4 @@ def build_rollout(config: RolloutConfig, model_path: str, tokenizer=None, hf_con
     extra = {"lora_rank": lora_rank} if lora_rank else {}  # builders that know no LoRA keep working without it
     if name == "native" and tp_group is not None:
         extra["tp_group"] = tp_group
-    engine = spec.build(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, **extra)
-    if config.multi_turn.enable:  # the agent loop (tinyzero.agent) wraps whichever engine was built
-        from tinyzero.agent.loop import wrap_engine
-
-        engine = wrap_engine(engine, config, tokenizer, model_path, trust_remote_code)
-    return engine
+    return spec.build(config, model_path, hf_config, device, dp_rank, load_weights, trust_remote_code, **extra)

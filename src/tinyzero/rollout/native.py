@@ -3,7 +3,7 @@
 The engine owns an inference copy of the HF model, built from the HF config on its device
 (bf16 on GPU, fp32 on CPU unless rollout.dtype says otherwise). The trainer pushes its
 weights into that copy before each rollout (`update_weights`, in place, from
-`weight_sync.iter_full_params`), so generation never runs under FSDP2 and the copy is the
+`full_params.iter_full_params`), so generation never runs under FSDP2 and the copy is the
 only extra memory (one model in inference dtype plus the KV cache).
 
 Usage:

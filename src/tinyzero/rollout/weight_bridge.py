@@ -2,7 +2,7 @@
 
 The asynchronous pipeline (tinyzero.trainer.async_pipeline) keeps the rollout engine on ranks
 that hold no actor. After each actor update the trainer pool streams the full parameters
-(`weight_sync.iter_full_params`: every trainer rank takes part in the FSDP gathers) and the
+(`full_params.iter_full_params`: every trainer rank takes part in the FSDP gathers) and the
 trainer pool's first rank broadcasts them over a "bridge" process group made of itself and the
 rollout ranks (gloo on CPU, NCCL on GPU). A bucket travels as one header object (names, shapes,
 dtypes) and one flat byte buffer; a `None` header ends the stream. The rollout ranks rebuild the

@@ -46,7 +46,7 @@ def pop_metrics(out: DataProto) -> dict[str, float]:
 def draw_curves(run_dir: str, tracker) -> None:
     """RUN/curves.png, when matplotlib is installed and there is something to draw."""
     try:
-        from tinyzero.plot import plot_run
+        from tinyzero.trainer.curves import plot_run
 
         tracker.print(f"[tinyzero] curves: {plot_run(run_dir)}")
     except (ImportError, ValueError, OSError) as e:

@@ -168,8 +168,8 @@ class ActorRolloutRefWorker(Worker):
         return sorted(set(ids))
 
     def _build_rollout(self):
+        from tinyzero.agent import build_agent_engine
         from tinyzero.models.loading import load_hf_config
-        from tinyzero.rollout import build_rollout
 
         cfg = self.config
         hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code, cfg.model.override_config)
@@ -182,17 +182,18 @@ class ActorRolloutRefWorker(Worker):
         tp_group = dims.tp_mesh(dims.build_mesh(self.device_mesh)).get_group() \
             if dims.tp > 1 and cfg.rollout.name in ("native", "auto") else None
         # Without an actor in this process the engine starts from the checkpoint's weights.
-        return build_rollout(cfg.rollout, model_path=cfg.model.path, tokenizer=self.tokenizer, hf_config=hf_config,
-                             device=self.device, dp_rank=dims.dp_rank(self.rank), load_weights=self.actor is None,
-                             trust_remote_code=cfg.model.trust_remote_code, lora_rank=cfg.model.lora_rank,
-                             tp_group=tp_group)
+        # With rollout.multi_turn.enable the engine runs inside the agent loop.
+        return build_agent_engine(cfg.rollout, cfg.model.path, self.tokenizer, hf_config=hf_config,
+                                  device=self.device, dp_rank=dims.dp_rank(self.rank), load_weights=self.actor is None,
+                                  trust_remote_code=cfg.model.trust_remote_code, lora_rank=cfg.model.lora_rank,
+                                  tp_group=tp_group)
 
     # ------------------------------------------------------------------ rollout
     def _sync_weights(self) -> None:
         """Stream the actor's full parameters into the engine, one bucket at a time (with LoRA: the base
         once, then the adapters only; see tinyzero.models.lora.sync_adapters)."""
+        from tinyzero.distributed.full_params import iter_full_params
         from tinyzero.rollout.config import sync_bucket_bytes
-        from tinyzero.rollout.weight_sync import iter_full_params
 
         if self.actor is None or self._synced_version == self._weights_version:
             return
@@ -240,10 +241,10 @@ class ActorRolloutRefWorker(Worker):
         """Trainer pool (tinyzero.trainer.async_pipeline): gather the actor's full parameters bucket by
         bucket; the pool's first rank broadcasts them over the bridge group to the rollout pool.
         Returns the float64 checksum of what was sent (0.0 on the other ranks)."""
+        from tinyzero.distributed.full_params import iter_full_params
         from tinyzero.rollout.config import sync_bucket_bytes
         from tinyzero.rollout.native import resolve_dtype
         from tinyzero.rollout.weight_bridge import bridge_group, send_params
-        from tinyzero.rollout.weight_sync import iter_full_params
 
         if self.actor is None:
             raise ValueError(f"send_weights needs the actor role; this worker is {self.role!r}")

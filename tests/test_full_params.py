@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tinyzero.rollout import weight_sync
-from tinyzero.rollout.weight_sync import clean_param_name, iter_full_params
+from tinyzero.distributed import full_params as weight_sync
+from tinyzero.distributed.full_params import clean_param_name, iter_full_params
 
 
 def _model(seed: int = 0):
