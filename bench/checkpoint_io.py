@@ -50,6 +50,7 @@ def _timed(fn):
 
 def _one_round(r: int, model_dir: str, work: str, mesh, fsdp_cfg, model_cfg) -> dict:
     from tinyzero.models.fsdp import load_sharded_model, parallelize
+    from tinyzero.models.hf_export import export_hf
     from tinyzero.models.loading import load_causal_lm
     from tinyzero.trainer.checkpoint import (
         CheckpointManager,
@@ -58,7 +59,6 @@ def _one_round(r: int, model_dir: str, work: str, mesh, fsdp_cfg, model_cfg) -> 
         save_state,
         save_trainer_state,
     )
-    from tinyzero.trainer.hf_export import export_hf
 
     t_direct, _ = _timed(lambda: parallelize(load_causal_lm(model_dir), mesh, fsdp_cfg))
     t_meta, model = _timed(lambda: load_sharded_model(model_cfg, fsdp_cfg, mesh))

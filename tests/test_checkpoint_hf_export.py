@@ -19,8 +19,8 @@ def _train_and_export(path: str, out_dirs: list[str], max_shard_bytes: list[int]
     from tinyzero.distributed import init_distributed
     from tinyzero.models.config import FSDPConfig, ModelConfig
     from tinyzero.models.fsdp import load_sharded_model, make_fsdp_mesh
+    from tinyzero.models.hf_export import export_hf
     from tinyzero.models.loading import load_tokenizer
-    from tinyzero.trainer.hf_export import export_hf
 
     init_distributed()
     fsdp_cfg = FSDPConfig()
@@ -110,9 +110,9 @@ def test_hf_export_loads_in_vllm(tmp_path):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tinyzero.models.hf_export import export_hf
     from tinyzero.models.loading import load_causal_lm, load_tokenizer
     from tinyzero.models.tiny import build_tiny_model
-    from tinyzero.trainer.hf_export import export_hf
 
     src = build_tiny_model(str(tmp_path / "src"), seed=0, num_heads=2, num_kv_heads=1)
     model = load_causal_lm(src)
@@ -138,8 +138,8 @@ def test_hf_export_loads_in_vllm(tmp_path):
 
 def test_value_model_export_round_trip(tiny_model_dir, tmp_path):
     """A critic exported from a plain (single-process) model reloads with its trained head."""
+    from tinyzero.models.hf_export import export_hf
     from tinyzero.models.value import checkpoint_has_head, load_value_model
-    from tinyzero.trainer.hf_export import export_hf
 
     critic = load_value_model(tiny_model_dir)
     with torch.no_grad():

@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+from tinyzero.models.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError
 from tinyzero.trainer import checkpoint as ckpt_mod
 from tinyzero.trainer.checkpoint import (
     CheckpointManager,
@@ -20,7 +21,6 @@ from tinyzero.trainer.checkpoint import (
     save_state,
     verify_checkpoint,
 )
-from tinyzero.trainer.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError
 
 
 def _model(width: int = 8, fill: float | None = None) -> torch.nn.Module:
