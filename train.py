@@ -124,8 +124,8 @@ def _report_one_line(e: BaseException) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tinyzero.cli import parse_args
     from tinyzero.config import ConfigError
-    from tinyzero.config.parse import parse_args
     from tinyzero.distributed import (
         cleanup,
         device_type,

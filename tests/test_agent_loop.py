@@ -301,10 +301,9 @@ def test_native_engine_log_probs_match_actor(tiny_model_dir, tmp_path, tok):
     assert set(out.non_tensor_batch["stop_reason"]) <= {"max_turns", "budget", "eos"}
     assert max(out.non_tensor_batch["num_turns"]) > 1
     model = attach_log_prob_method(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
-    actor = PPOActor(ActorConfig(), model, dp_group=None, dp_size=1, device="cpu")
     mask = b["response_mask"].bool()
     for packing in ("none", "remove_padding"):  # padded rows, and packed rows with observations attended
-        actor.packing = packing
+        actor = PPOActor(ActorConfig(), model, dp_group=None, dp_size=1, device="cpu", packing=packing)
         log_probs, _ = actor.compute_log_prob(out, 4, False, 4096, float(out.meta_info.get("temperature", 1.0)))
         torch.testing.assert_close(log_probs[mask], b["rollout_log_probs"][mask], rtol=0, atol=1e-4)
     assert not b["rollout_log_probs"][~mask].any()

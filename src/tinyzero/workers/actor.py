@@ -20,7 +20,7 @@ rollout_log_probs, the rollout/trainer mismatch metrics the trainer logs otherwi
 (training/rollout_*, tinyzero.algorithms.rollout_mismatch_metrics) from the log-probs of its first
 mini-batch, before any optimizer step (the compute_log_prob pass that measures them does not run).
 
-`packing` ("none", "remove_padding", "shared_prefix"; set by the worker from the model config)
+`packing` ("none", "remove_padding", "shared_prefix"; the constructor's, from the model config)
 selects the packed forward of tinyzero.workers.packing for every pass.
 """
 
@@ -53,7 +53,6 @@ class PPOActor(TrainedModel):
     """Log-probs and PPO updates of one rank's share of the batch."""
 
     config: ActorConfig
-    packing: str = "none"
     _seen: list | None = None  # (log-prob, rollout log-prob, mask) stacks of the first mini-batch
 
     # ------------------------------------------------------------------ log-probs

@@ -118,20 +118,18 @@ class ActorRolloutRefWorker(Worker):
             optimizer = build_optimizer(model.parameters(), cfg.actor.optim)
             scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
             self.actor = PPOActor(cfg.actor, model, optimizer, scheduler, dp_group=self._dp_group("actor"),
-                                  dp_size=self.dims["actor"].fsdp_size, device=self.device)
-            self.actor.packing = packing_mode(cfg.model)
+                                  dp_size=self.dims["actor"].fsdp_size, device=self.device,
+                                  packing=packing_mode(cfg.model))
             offload_after_init(model, fsdp, optimizer)
         if self._is_ref and self.actor is not None and cfg.model.lora_rank:
             # LoRA: the reference is the actor's model with its adapters disabled (no second copy).
             self.ref = PPOActor(cfg.actor, self.actor.model, dp_group=self._dp_group("actor"),
-                                dp_size=self.dims["actor"].fsdp_size, device=self.device)
-            self.ref.packing = self.actor.packing
+                                dp_size=self.dims["actor"].fsdp_size, device=self.device, packing=self.actor.packing)
         elif self._is_ref:
             fsdp = cfg.ref.fsdp_config
             model = self._build_fsdp_model(fsdp, self.dims["ref"], trainable=False)
             self.ref = PPOActor(cfg.actor, model, dp_group=self._dp_group("ref"), dp_size=self.dims["ref"].fsdp_size,
-                                device=self.device)
-            self.ref.packing = packing_mode(cfg.model)
+                                device=self.device, packing=packing_mode(cfg.model))
             offload_after_init(model, fsdp)
         if self._is_rollout:
             self.rollout = self._build_rollout()

@@ -15,6 +15,7 @@ from torch import nn
 
 from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.models.config import FSDPConfig
+from tinyzero.workers.packing import PACKINGS, Packing
 from tinyzero.workers.scaling import all_reduce_sum
 
 
@@ -127,8 +128,14 @@ class TrainedModel:
     and the data-parallel group its losses are scaled over."""
 
     def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler=None, dp_group=None, dp_size: int = 1, device: torch.device | None = None):
+                 lr_scheduler=None, dp_group=None, dp_size: int = 1, device: torch.device | None = None,
+                 packing: Packing = "none"):
+        if packing not in PACKINGS:
+            raise ValueError(f"packing={packing!r} is not one of {PACKINGS}")
         self.config = config
+        # How every training pass lays out its rows (tinyzero.workers.packing): "none" (padded rows),
+        # "remove_padding" or "shared_prefix"; the worker takes it from the model config (packing_mode).
+        self.packing = packing
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler

@@ -3,7 +3,7 @@
 `PPOCritic` holds a value model (LM backbone + scalar head, usually FSDP2-sharded), its
 optimizer and lr scheduler. The update minimises the clipped value loss of
 tinyzero.algorithms.compute_value_loss with the same exact micro-batch / rank scaling as
-the actor (tinyzero.workers.scaling). `packing` (set by the worker from the model config)
+the actor (tinyzero.workers.scaling). `packing` (the constructor's, from the model config)
 selects the packed forward of tinyzero.workers.packing for values and updates.
 """
 
@@ -33,7 +33,6 @@ class PPOCritic(TrainedModel):
     """Values and value-loss updates of one rank's share of the batch."""
 
     config: CriticConfig
-    packing: str = "none"
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:

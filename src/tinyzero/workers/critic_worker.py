@@ -55,8 +55,7 @@ class CriticWorker(Worker):
         scheduler = build_lr_scheduler(optimizer, cfg.optim)
         dp_group = self.dims.dp_group(self.device_mesh, self.process_group)
         self.critic = PPOCritic(cfg, model, optimizer, scheduler, dp_group=dp_group, dp_size=self.dims.fsdp_size,
-                                device=self.device)
-        self.critic.packing = packing_mode(cfg.model)
+                                device=self.device, packing=packing_mode(cfg.model))
         offload_after_init(model, cfg.fsdp_config, optimizer)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="critic")

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,13 @@ DENSE_ROW_TOKENS = 4096
 BLOCKS_WORTH = 0.5  # packed SDPA takes the segment blocks when they hold at most this share of the L x L scores
 
 
-def packing_mode(model_config) -> str:
-    """The packing a model config asks for: shared_prefix, remove_padding or none."""
+Packing = Literal["none", "remove_padding", "shared_prefix"]
+PACKINGS = get_args(Packing)
+
+
+def packing_mode(model_config) -> Packing:
+    """The packing a model config asks for (its use_shared_prefix / use_remove_padding, veRL's names):
+    shared_prefix, remove_padding or none."""
     if getattr(model_config, "use_shared_prefix", False):
         return "shared_prefix"
     return "remove_padding" if getattr(model_config, "use_remove_padding", False) else "none"

@@ -85,8 +85,7 @@ class TeacherWorker(Worker):
         prepare_attention(model, packing_mode(model_config))
         model = attach_log_prob_method(model)
         self.teacher = PPOActor(cfg.actor, model, dp_group=self.dims.dp_group(self.device_mesh, self.process_group),
-                                dp_size=self.dims.fsdp_size, device=self.device)
-        self.teacher.packing = packing_mode(model_config)
+                                dp_size=self.dims.fsdp_size, device=self.device, packing=packing_mode(model_config))
         offload_after_init(model, fsdp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="teacher")
