@@ -374,3 +374,13 @@ def test_script_trains_two_steps_on_two_cpu_ranks(name, data, extra, verl_data, 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     steps = [r for r in read_metrics(str(run)) if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
+
+
+def test_sandbox_fusion_keys_reach_the_code_sandbox():
+    """veRL's reward_model.sandbox_fusion.{url, max_concurrent, memory_limit_mb} drive the SandboxFusion client."""
+    from tinyzero.cli import parse_args
+
+    cfg = parse_args(["reward_model.sandbox_fusion.url=http://127.0.0.1:8080/run_code",
+                      "reward_model.sandbox_fusion.max_concurrent=8", "reward_model.sandbox_fusion.memory_limit_mb=512"])
+    sandbox = cfg.reward.sandbox
+    assert (sandbox.url, sandbox.max_concurrent, sandbox.memory_limit_mb) == ("http://127.0.0.1:8080/run_code", 8, 512)
