@@ -131,7 +131,9 @@ def test_the_fast_path_is_the_default_on_cpu_and_said_once():
     assert plan.summary()["fast_path"]["actor_rollout_ref.rollout.sleep_level"] == 2
     assert cfg.actor_rollout_ref.model.use_shared_prefix is None and cfg.actor_rollout_ref.rollout.sleep_level is None
     assert said == ["speed settings for this machine: model.use_shared_prefix=true, model.use_remove_padding=true, "
-                    "model.use_fused_layers=true, rollout.sleep_level=2 (set any of them to override)"]
+                    "model.use_fused_layers=true, rollout.sleep_level=2, rollout.tensor_model_parallel_size=2 (set any of "
+                    "them to override)"]
+    assert plan.dims["rollout"].tp == 2 and plan.dims["rollout"].dp_size == 1  # both ranks decode the whole batch
 
 
 @pytest.mark.parametrize("change,expect", [
@@ -166,3 +168,31 @@ def test_gpu_hosts_and_supervised_modes_keep_the_plain_path(monkeypatch):
     sft = plan_run(_cfg(_with(GRPO, trainer__mode="sft", trainer__device="cpu")), 2, notice=None)
     assert not sft.config.actor_rollout_ref.model.use_remove_padding
     assert not sft.config.actor_rollout_ref.model.use_fused_layers
+
+
+def test_rollout_tensor_parallel_default_follows_the_model_and_the_pool(monkeypatch):
+    """The native engine on CPU decodes over the whole one-host policy pool; a model whose MLP does not split
+    evenly (or that the fused decoder does not run) takes it back to 1; a pool over several hosts, the agent
+    loop and a user's value keep their own."""
+    from types import SimpleNamespace
+
+    from tinyzero.plan import with_model
+
+    cfg = _cfg(_with(GRPO, trainer__device="cpu"))
+    plan = plan_run(cfg, 2, notice=None)
+    qwen = SimpleNamespace(model_type="qwen2", intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           hidden_size=64, vocab_size=128, num_hidden_layers=2,
+                           max_position_embeddings=4096)
+    assert with_model(plan, qwen).dims["rollout"].tp == 2
+    odd = with_model(plan, SimpleNamespace(**{**vars(qwen), "intermediate_size": 255}))
+    assert odd.dims["rollout"].tp == 1 and odd.config.actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+    assert odd.fast_path["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 1
+    assert with_model(plan, SimpleNamespace(**{**vars(qwen), "model_type": "gpt2"})).dims["rollout"].tp == 1
+    agent = plan_run(_cfg(_with(GRPO, trainer__device="cpu", actor_rollout_ref__rollout__multi_turn={"enable": True, "tools": ["calculator"]})),
+                     2, notice=None)
+    assert agent.dims["rollout"].tp == 1
+    user = plan_run(_cfg(_with(GRPO, trainer__device="cpu", actor_rollout_ref__rollout__tensor_model_parallel_size=1)),
+                    2, notice=None)
+    assert user.dims["rollout"].tp == 1 and "actor_rollout_ref.rollout.tensor_model_parallel_size" not in user.fast_path
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each
+    assert plan_run(cfg, 2, notice=None).dims["rollout"].tp == 1

@@ -77,7 +77,7 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
         raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
                           "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
     asynchronous = bool(resolved.trainer.max_staleness or resolved.trainer.rollout_pool_size)
-    fast_path = choose_fast_path(resolved, engine, asynchronous)
+    fast_path = choose_fast_path(resolved, engine, asynchronous, world_size)
     _say_fast_path(fast_path, notice)
     if asynchronous:
         policy, rollout = _async_pools(resolved, world_size)
@@ -122,7 +122,7 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
 def _plan_supervised(resolved: Config, world_size: int) -> RunPlan:
     """SFT, RM and DPO: one trained model on every rank, laid out by the actor's settings (and DPO's
     frozen reference by the reference's)."""
-    fast_path = choose_fast_path(resolved, resolved.actor_rollout_ref.rollout.name, False)
+    fast_path = choose_fast_path(resolved, resolved.actor_rollout_ref.rollout.name, False, world_size)
     try:
         if resolved.trainer.mode == "dpo":  # the reference model beside the actor
             dims = policy_layouts(resolved.actor_rollout_ref, world_size, "actor_ref")
@@ -166,7 +166,7 @@ def runs_on_cpu(cfg: Config) -> bool:
     return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and device_type() == "cpu")
 
 
-def choose_fast_path(resolved: Config, engine: str, asynchronous: bool) -> dict[str, Any]:
+def choose_fast_path(resolved: Config, engine: str, asynchronous: bool, world_size: int = 1) -> dict[str, Any]:
     """Fill in the speed settings the user left unset (None), each on where it is measured to pay and
     exact (bench/vs_trl.py --defaults against the tuned settings; bench/RESULTS.md), off elsewhere: on
     GPU hosts, where none has been measured yet, every one stays off and the sleep level at 1. A value
@@ -179,7 +179,14 @@ def choose_fast_path(resolved: Config, engine: str, asynchronous: bool) -> dict[
       rollout.sleep_level = 2     the native engine colocated with the actor frees its weight copy for the
                                   update (the trainer re-sends them all); not with LoRA (its sync carries
                                   the adapters only) nor with a rollout pool of its own
-    The critic's packing follows the same rules."""
+      rollout.tensor_model_parallel_size = the policy pool's size
+                                  the native engine decodes the batch over every rank of a one-host pool
+                                  (each reads 1/T of the MLP and lm_head weights per token); not with the
+                                  agent loop (its tools would run T times), a compiled decode step, unmerged
+                                  LoRA adapters or a rollout pool of its own. `with_model` takes it back
+                                  to 1 for a model the fused decoder cannot split.
+    The critic's packing follows the same rules. Elsewhere (GPU hosts, other engines) the tensor-parallel
+    degree is 1."""
     chosen: dict[str, Any] = {}
 
     def pick(section: Any, key: str, name: str, value: Any) -> None:
@@ -201,7 +208,22 @@ def choose_fast_path(resolved: Config, engine: str, asynchronous: bool) -> dict[
     colocated_native = engine == "native" and not asynchronous and arr.rollout.free_cache_engine
     pick(arr.rollout, "actor_rollout_ref.rollout", "sleep_level", 2 if cpu and ppo and colocated_native and not lora
          else 1)
+    pick(arr.rollout, "actor_rollout_ref.rollout", "tensor_model_parallel_size",
+         _rollout_tp(resolved, world_size) if cpu and ppo and engine == "native" and not asynchronous else 1)
     return chosen
+
+
+def _rollout_tp(resolved: Config, world_size: int) -> int:
+    """The native engine's tensor-parallel degree on CPU: the whole policy pool when it is on one host."""
+    import os
+
+    rollout, model = resolved.actor_rollout_ref.rollout, resolved.actor_rollout_ref.model
+    if rollout.multi_turn.enable or rollout.native_compile or rollout.native_impl == "hf" or (
+            model.lora_rank and not rollout.lora_merge):
+        return 1
+    pool = world_size if resolved.trainer.placement == "colocate" else pool_sizes(resolved, world_size)[0]
+    one_host = pool <= int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return pool if pool > 1 and one_host else 1
 
 
 def _say_fast_path(chosen: dict[str, Any], notice) -> None:
@@ -209,7 +231,7 @@ def _say_fast_path(chosen: dict[str, Any], notice) -> None:
     from tinyzero.distributed import get_rank
 
     on = [f"{key.rsplit('.', 2)[-2]}.{key.rsplit('.', 1)[-1]}={str(v).lower()}" for key, v in chosen.items()
-          if (v is True or (key.endswith("sleep_level") and v == 2)) and not key.startswith("critic.")]
+          if (v is True or (not isinstance(v, bool) and v > 1)) and not key.startswith("critic.")]
     if on and notice is not None and get_rank() == 0:
         notice(f"speed settings for this machine: {', '.join(on)} (set any of them to override)")
 
@@ -235,7 +257,27 @@ def with_model(plan: RunPlan, hf_config: Any) -> RunPlan:
     holds prompt + response, and each trained or reference role's tensor / sequence parallel degrees
     split the model's heads and sizes (the critic starts from the same model)."""
     _check_model(plan.config, hf_config, plan.dims)
+    plan = _split_decode_or_not(plan, hf_config)
     return dataclasses.replace(plan, hf_config=hf_config)
+
+
+def _split_decode_or_not(plan: RunPlan, hf_config: Any) -> RunPlan:
+    """A rollout tensor-parallel degree the plan chose (not the user) goes back to 1 when the fused decoder
+    cannot split this model's MLP evenly (it would then decode the whole batch on every rank alone)."""
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    tp = plan.fast_path.get(key, 1)
+    if tp <= 1:
+        return plan
+    from tinyzero.rollout.decoder import FUSED_MODEL_TYPES
+
+    intermediate = getattr(hf_config, "intermediate_size", None)
+    if getattr(hf_config, "model_type", None) in FUSED_MODEL_TYPES and intermediate and intermediate % tp == 0:
+        return plan
+    rollout = plan.config.actor_rollout_ref.rollout
+    rollout.tensor_model_parallel_size = 1
+    dims = dict(plan.dims)
+    dims["rollout"] = policy_layouts(plan.config.actor_rollout_ref, len(plan.pools["rollout"]), "rollout")["rollout"]
+    return dataclasses.replace(plan, dims=dims, fast_path={**plan.fast_path, key: 1})
 
 
 def _check_model(resolved: Config, hf_config: Any, dims: dict[str, ParallelDims]) -> None:

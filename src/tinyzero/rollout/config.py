@@ -68,10 +68,12 @@ class RolloutConfig:
     cpu_kv_cache_mb: int = 0
     """vLLM on CPU: KV-cache size in MiB per rank; 0 sizes it for max_num_seqs full-length sequences,
     at most 1 GiB (vLLM preempts and recomputes sequences when it runs out)."""
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int | None = None
     """Ranks per tensor-parallel group (consecutive ranks); data-parallel across groups. vLLM splits
     every layer over the group; the native engine (fused decoder) splits the MLPs and lm_head and
-    gives each rank a share of the rows to attend for (rollout/decoder_tp.py)."""
+    gives each rank a share of the rows to attend for (rollout/decoder_tp.py). None: the run plan
+    decides (the native engine on CPU decodes over every rank of a one-host policy pool when the
+    model's MLP splits evenly; else 1; tinyzero.plan)."""
     enforce_eager: bool = True
     """vLLM: run eagerly (no CUDA graphs / torch.compile)."""
     max_num_batched_tokens: int = 8192
@@ -180,7 +182,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.cpu_kv_cache_mb < 0:
             raise ValueError("rollout.cpu_kv_cache_mb must be >= 0 (0 sizes it automatically)")
-        if self.tensor_model_parallel_size < 1:
+        if self.tensor_model_parallel_size is not None and self.tensor_model_parallel_size < 1:
             raise ValueError("rollout.tensor_model_parallel_size must be >= 1")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("rollout.max_num_batched_tokens and rollout.max_num_seqs must be >= 1")

@@ -122,7 +122,7 @@ def make_llm(model_path: str, config: RolloutConfig, hf_config, dtype: torch.dty
         model=model_path,
         load_format="dummy" if load_dummy else "auto",
         distributed_executor_backend="external_launcher",
-        tensor_parallel_size=config.tensor_model_parallel_size,
+        tensor_parallel_size=config.tensor_model_parallel_size or 1,
         dtype=dtype,
         seed=seed,
         enforce_eager=config.enforce_eager,

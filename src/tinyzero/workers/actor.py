@@ -66,15 +66,15 @@ class PPOActor(TrainedModel):
         micros, parts = make_micro_batches(data, micro_batch_size, use_dynamic_bsz, max_token_len, self.dp_group,
                                            self.packing)
         log_probs, entropys = [], []
-        for micro in micros:
-            batch = {k: v.to(self.device) for k, v in micro.batch.items()}
+        for micro in micros:  # results stay on the device until the last micro-batch: one copy back, one sync
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in micro.batch.items()}
             lp, ent = response_log_probs(self.model, batch, temperature, calculate_entropy, self.packing)
-            log_probs.append(lp.float().cpu())
+            log_probs.append(lp.float())
             if ent is not None:
-                entropys.append(ent.float().cpu())
+                entropys.append(ent.float())
         reshard(self.model)
-        log_probs = restore_order(torch.cat(log_probs), parts)
-        entropy = restore_order(torch.cat(entropys), parts) if calculate_entropy else None
+        log_probs = restore_order(torch.cat(log_probs).cpu(), parts)
+        entropy = restore_order(torch.cat(entropys).cpu(), parts) if calculate_entropy else None
         return log_probs, entropy
 
     # ------------------------------------------------------------------ update

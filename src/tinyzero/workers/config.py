@@ -73,7 +73,7 @@ def _check_global_micro(section: str, name: str, value: int | None, per_gpu: int
 
 def rollout_dims(rollout: RolloutConfig, pool_size: int) -> ParallelDims:
     """The rollout engines' layout: tensor-parallel groups of consecutive ranks, one data chunk each."""
-    return ParallelDims.for_role(pool_size, tp=rollout.tensor_model_parallel_size,
+    return ParallelDims.for_role(pool_size, tp=rollout.tensor_model_parallel_size or 1,
                                  section="actor_rollout_ref.rollout")
 
 

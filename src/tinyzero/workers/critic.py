@@ -44,11 +44,11 @@ class PPOCritic(TrainedModel):
         micros, parts = make_micro_batches(data, cfg.forward_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                            cfg.forward_max_token_len_per_gpu, self.dp_group, self.packing)
         values = []
-        for micro in micros:
-            batch = {k: v.to(self.device) for k, v in micro.batch.items()}
-            values.append(response_values(self.model, batch, self.packing).cpu())
+        for micro in micros:  # results stay on the device until the last micro-batch: one copy back, one sync
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in micro.batch.items()}
+            values.append(response_values(self.model, batch, self.packing))
         reshard(self.model)
-        values = restore_order(torch.cat(values), parts)
+        values = restore_order(torch.cat(values).cpu(), parts)
         if "response_mask" in data.batch:
             values = values * data.batch["response_mask"].to(values.dtype)
         return values

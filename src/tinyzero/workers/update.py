@@ -49,18 +49,19 @@ def accumulate_gradients(micros: Sequence[DataProto], mini_mask: torch.Tensor, l
     """
     counts = global_counts(mini_mask, dp_group)
     stats = torch.zeros(len(stat_kinds), dtype=torch.float64, device=device)
+    # No host sync per micro-batch: the weights come from the CPU masks, the stats accumulate on the
+    # device (scaled by Python floats, no host-to-device tensor), the inputs are queued without waiting.
     for micro in micros:
         report_progress("update_micro_batch", micro_batches=len(micros))
-        batch = {k: v.to(device) for k, v in micro.batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in micro.batch.items()}
         mask = micro.batch["response_mask"]
         w = micro_weight(loss_agg_mode, mask, counts)
         tw = token_weight(mask, counts)
         loss, parts = micro_loss_fn(batch)
         # FSDP averages gradients over its dp_size ranks; the factor undoes that division.
         (loss * (w * dp_size)).backward()
-        weights = torch.tensor([w if kind == "loss" else tw for kind in stat_kinds], dtype=torch.float64,
-                               device=device)
-        stats += torch.stack([p.detach().to(torch.float64).reshape(()) for p in parts]) * weights
+        stats += torch.stack([p.detach().to(torch.float64).reshape(()) * (w if kind == "loss" else tw)
+                              for p, kind in zip(parts, stat_kinds)])
     all_reduce_sum(stats, dp_group)
     return stats.cpu()
 
