@@ -8,7 +8,7 @@ Two backends behind one `JudgeBackend` protocol (`generate(conversations) -> rep
   HFJudgeBackend      a frozen HF causal LM on this rank: chat template applied by its tokenizer, left
                       padding, greedy decoding, reward.judge.batch_size samples per generate call.
   RemoteJudgeBackend  an OpenAI-compatible server (/v1/chat/completions or /v1/completions) through the
-                      remote rollout's HTTP client (tinyzero.rollout.remote_http): temperature 0,
+                      remote rollout's HTTP client (tinyzero.runtime.http): temperature 0,
                       reward.judge.concurrency requests in flight, reward.judge.timeout_s per request,
                       reward.judge.retries attempts on transient failures.
 A reply the parser cannot read, or a request that fails every attempt, gives the sample an error result
@@ -25,7 +25,7 @@ import torch
 
 from tinyzero.rewards.judge_config import JudgeConfig
 from tinyzero.rewards.judge_prompts import JudgeParseError, get_judge_parser, get_judge_template
-from tinyzero.rollout.remote_http import RemoteRolloutError, Transient, http_json
+from tinyzero.runtime.http import RemoteRolloutError, Transient, http_json
 
 __all__ = ["HFJudgeBackend", "Judge", "JudgeBackend", "JudgeError", "RemoteJudgeBackend", "reference_text"]
 

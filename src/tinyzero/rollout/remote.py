@@ -86,7 +86,7 @@ from tinyzero.rollout.outputs import (
     raw_prompt_token_ids,
     repeat_prompts,
 )
-from tinyzero.rollout.remote_http import (
+from tinyzero.runtime.http import (
     HTTPStatus,
     RemoteRolloutError,
     Reply,
