@@ -129,6 +129,7 @@ def test_the_fast_path_is_the_default_on_cpu_and_said_once():
     plan = plan_run(cfg, 2, notice=said.append)
     assert _fast(plan) == FAST
     assert plan.summary()["fast_path"]["actor_rollout_ref.rollout.sleep_level"] == 2
+    assert plan.config.actor_rollout_ref.rollout.request_seeds is True  # samples independent of the batch
     assert cfg.actor_rollout_ref.model.use_shared_prefix is None and cfg.actor_rollout_ref.rollout.sleep_level is None
     assert said == ["speed settings for this machine: model.use_shared_prefix=true, model.use_remove_padding=true, "
                     "model.use_fused_layers=true, rollout.sleep_level=2, rollout.tensor_model_parallel_size=2 (set any of "
@@ -164,6 +165,7 @@ def test_gpu_hosts_and_supervised_modes_keep_the_plain_path(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host
     plan = plan_run(_cfg(_with(GRPO, trainer__device="auto")), 2, notice=None)
     assert _fast(plan) == {key: (1 if key.endswith("sleep_level") else False) for key in FAST}
+    assert plan.config.actor_rollout_ref.rollout.request_seeds is False  # vLLM's one-draw batch sampler
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     sft = plan_run(_cfg(_with(GRPO, trainer__mode="sft", trainer__device="cpu")), 2, notice=None)
     assert not sft.config.actor_rollout_ref.model.use_remove_padding

@@ -131,6 +131,19 @@ def _vllm_worker(model_dir: str, check_logprobs: bool, tp: int = 1, shard: bool 
             runs.append(vllm_engine.generate_sequences(batch).batch["responses"])
         results["seed_repeats"] = torch.equal(runs[0], runs[1])
         results["seed_changes"] = not torch.equal(runs[0], runs[2])
+        # Without request seeds vLLM samples from its engine generator: the batch's seed no longer pins the
+        # samples (two calls differ), and their log-probs are still the trainer's.
+        vllm_engine.config.request_seeds = False
+        unseeded = [vllm_engine.generate_sequences(batch) for _ in range(2)]
+        vllm_engine.config.request_seeds = None
+        results["unseeded_differ"] = not torch.equal(unseeded[0].batch["responses"], unseeded[1].batch["responses"])
+        b = unseeded[0].batch
+        with torch.no_grad():
+            logits = trainer(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                             position_ids=b["position_ids"]).logits.double()
+        ref = torch.log_softmax(logits[:, P - 1:-1] / 0.8, -1).gather(-1, b["responses"][..., None])[..., 0]
+        m = b["response_mask"].bool()
+        results["unseeded_lp_max_abs_diff"] = float((ref[m] - b["rollout_log_probs"].double()[m]).abs().max())
         # Prefix caching: the n samples of a 40-token prompt (never seen before) read its cached block.
         long = _prompts(tok, [" ".join(f"w{i}" for i in range(40))])
         for key in ("input_ids", "attention_mask", "position_ids"):
@@ -160,6 +173,7 @@ def test_vllm_matches_native_and_syncs_weights(vllm_tiny_dir):
     _check(res)
     assert res["n_rows"] == 8
     assert res["seed_repeats"] and res["seed_changes"], res
+    assert res["unseeded_differ"] and res["unseeded_lp_max_abs_diff"] < 1e-3, res
     assert res["prefix_cache"]["cached_prompt_tokens"] >= 32, res  # one 32-token block at least (CPU blocks)
     # Rollout log-probs vs the trainer's (fp32 HF forward, float64 log_softmax): same weights and math.
     assert res["sampled_lp_mean_abs_diff"] < 1e-4, res

@@ -185,6 +185,8 @@ def choose_fast_path(resolved: Config, engine: str, asynchronous: bool, world_si
                                   agent loop (its tools would run T times), a compiled decode step, unmerged
                                   LoRA adapters or a rollout pool of its own. `with_model` takes it back
                                   to 1 for a model the fused decoder cannot split.
+      rollout.request_seeds       vLLM requests carry their own seeds (samples independent of the batch);
+                                  on GPU hosts off, where vLLM would draw seeded rows one at a time
     The critic's packing follows the same rules. Elsewhere (GPU hosts, other engines) the tensor-parallel
     degree is 1."""
     chosen: dict[str, Any] = {}
@@ -210,6 +212,7 @@ def choose_fast_path(resolved: Config, engine: str, asynchronous: bool, world_si
          else 1)
     pick(arr.rollout, "actor_rollout_ref.rollout", "tensor_model_parallel_size",
          _rollout_tp(resolved, world_size) if cpu and ppo and engine == "native" and not asynchronous else 1)
+    pick(arr.rollout, "actor_rollout_ref.rollout", "request_seeds", cpu)
     return chosen
 
 
@@ -231,7 +234,7 @@ def _say_fast_path(chosen: dict[str, Any], notice) -> None:
     from tinyzero.distributed import get_rank
 
     on = [f"{key.rsplit('.', 2)[-2]}.{key.rsplit('.', 1)[-1]}={str(v).lower()}" for key, v in chosen.items()
-          if (v is True or (not isinstance(v, bool) and v > 1)) and not key.startswith("critic.")]
+          if (v is True or (not isinstance(v, bool) and v > 1)) and not key.startswith("critic.") and not key.endswith("request_seeds")]
     if on and notice is not None and get_rank() == 0:
         notice(f"speed settings for this machine: {', '.join(on)} (set any of them to override)")
 

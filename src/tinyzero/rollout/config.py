@@ -61,6 +61,13 @@ class RolloutConfig:
     """False: greedy decoding for training rollouts too (validation uses val_kwargs)."""
     seed: int = 0
     """Base seed of the sampler; the same prompts, seed and weights give the same responses."""
+    request_seeds: bool | None = None
+    """vLLM (in-process or served): each request carries its own seed, so a row's samples do not depend on
+    the rest of the batch or the engine's scheduling, and a resumed run draws the interrupted one's
+    samples again. Its cost: vLLM 0.32 draws the sampling noise of seeded rows one row at a time, and on
+    GPU its FlashInfer sampler does not take per-row generators. False: one draw for the whole batch from
+    the engine's generator (seeded once from `seed`, veRL's behaviour). Unset: the run plan chooses, on
+    on CPU (where the row loop is a small part of a step), off on GPU hosts."""
     dtype: RolloutDtype = "auto"
     """Dtype of the engine's weights: "auto" is bf16 on GPU and fp32 on CPU."""
     gpu_memory_utilization: float = 0.5

@@ -109,6 +109,9 @@ class SamplingParams:
     """Right padding of responses."""
     seed: int = 0
     """Seed of this call's sampler."""
+    request_seeds: bool = True
+    """vLLM and served engines: each request carries its seed (rollout.request_seeds); False leaves
+    sampling to the engine's own generator."""
 
     def __post_init__(self):
         check_sampling("sampling.", self.temperature, self.top_p, self.top_k, self.n)
@@ -155,7 +158,8 @@ def resolve_sampling_params(config: RolloutConfig, meta_info: dict, seed: int) -
         raise ValueError("prompt batch meta_info lacks pad_token_id (the dataloader sets it from the tokenizer)")
     return SamplingParams(response_length=int(meta_info.get("response_length", config.response_length)),
                           stop_token_ids=sorted(set(stop)), stop_sequences=sequences,
-                          pad_token_id=int(meta_info["pad_token_id"]), seed=int(seed), **base)
+                          pad_token_id=int(meta_info["pad_token_id"]), seed=int(seed),
+                          request_seeds=config.request_seeds is not False, **base)
 
 
 def call_seed(config_seed: int, meta_info: dict, num_calls: int, dp_rank: int) -> int:

@@ -210,7 +210,7 @@ class RemoteRollout:
         return {  # greedy: one sample, copied n times (vLLM refuses n > 1 at temperature 0)
             "n": 1 if greedy else params.n, "max_tokens": params.response_length,
             "temperature": 0.0 if greedy else params.temperature, "top_p": 1.0 if greedy else params.top_p,
-            "top_k": -1 if greedy else params.top_k, "seed": None if greedy else seed,
+            "top_k": -1 if greedy else params.top_k, "seed": None if greedy or not params.request_seeds else seed,
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": not params.stop_token_ids,
             "logprobs": 0, "skip_special_tokens": False,
         }

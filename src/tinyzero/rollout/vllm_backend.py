@@ -20,7 +20,9 @@ Facts this module relies on (0.32.0):
 * CPU: sleep mode is not supported (the worker ignores it), the CPU attention backend needs
   head_dim in {32, 64, 80, 96, 112, 128, ...}, and the KV cache is sized explicitly with
   `kv_cache_memory_bytes` (gpu_memory_utilization would be a fraction of host RAM).
-* Parallel sampling (n > 1) with a request seed gives child j the seed `seed + j`.
+* Parallel sampling (n > 1) with a request seed gives child j the seed `seed + j`. A seeded request
+  costs a per-row loop in vLLM's sampler (`random_sample` draws each seeded row's noise alone), so
+  `rollout.request_seeds=false` sends none and vLLM draws the batch's noise in one call.
 * Stop sequences of several tokens (params.stop_sequences) have no engine-side form without a
   tokenizer (vLLM matches `stop` strings on detokenized text in its front end, and it runs with
   skip_tokenizer_init). `_generate_until_sequences` does what that front end does, on token ids:
@@ -252,7 +254,7 @@ def generate(llm, prompt_token_ids: list[list[int]], params: SamplingParams, see
 
 
 def _request_params(params: SamplingParams, n: int, seed: int, **extra):
-    """vLLM's SamplingParams of one request of n samples (seed unused when greedy)."""
+    """vLLM's SamplingParams of one request of n samples (no seed when greedy or without request seeds)."""
     from vllm import SamplingParams as VSamplingParams
 
     greedy = params.greedy
@@ -266,7 +268,7 @@ def _request_params(params: SamplingParams, n: int, seed: int, **extra):
         ignore_eos=not params.stop_token_ids,  # stop only where the batch says (like the native engine)
         logprobs=0,
         detokenize=False,
-        seed=None if greedy else seed,
+        seed=None if greedy or not params.request_seeds else seed,
         **extra,
     )
 
