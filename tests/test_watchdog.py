@@ -157,6 +157,26 @@ def test_the_rule_names_the_stuck_rank_not_its_waiting_or_busy_peers():
     assert "on rank(s) 2\n" in verdict and "rank 2 stopped responding: no heartbeat for 11.0 s" in verdict, verdict
 
 
+def test_a_rank_waiting_for_its_gpu_is_not_blamed_for_a_slow_peer():
+    """On a GPU a rank that waits for a slow peer sits in a host sync in its own code (the collective returned
+    at once; its stream holds the queued wait): it waits, it is not stuck. The slow peer, still running, is
+    busy: no verdict. When every rank waits (one for its GPU), the one that stopped first is named."""
+    from tinyzero.runtime.progress import _gpu_pending, _Watchdog
+
+    wd = _Watchdog(bound_s=10.0, poll_s=1.0, store=None, rank=0, world=2)
+    gpu_wait = {**_status(1, 12, 12, False), "gpu_wait": True, "where": "actor.py:90 in update"}
+    slow_peer = _status(1, 12, 0.3, False)  # a long phase that reports nothing, its frames moving
+    assert wd.decide({0: gpu_wait, 1: slow_peer}, now=0.0) is None
+    # Without the GPU's queued work the same still main thread is stuck.
+    verdict = wd.decide({0: {**gpu_wait, "gpu_wait": False}, 1: slow_peer}, now=1.0)
+    assert "on rank(s) 0\n" in verdict and "not waiting for other ranks" in verdict, verdict
+    # Both wait (rank 1 in a collective that rank 0's GPU never reaches): rank 1 stopped first.
+    verdict = wd.decide({0: {**gpu_wait, "age": 11}, 1: _status(2, 14, 14, True)}, now=2.0)
+    assert "on rank(s) 1\n" in verdict and "every rank waits" in verdict, verdict
+    assert "rank 0: waits for its GPU" in verdict, verdict
+    assert _gpu_pending(None) is False  # CPU ranks: nothing to query
+
+
 if __name__ == "__main__":
     mode, sep, *flags = sys.argv[1:]
     _install_fault(mode)

@@ -18,6 +18,10 @@ the controller's own waits). From every heartbeat each rank applies the same rul
   innermost frames did not move: a wait, a sleep, a native call) and not inside a collective, is
   stuck (the peers that wait for it in a collective are not blamed; a thread still running Python
   code, such as a generation engine's loop that reports nothing, is busy, not stuck);
+- on a GPU a collective returns at once and the rank waits later, at the next host sync (`.item()`,
+  a copy to the CPU) anywhere in the code: a main thread that sits still while its GPU stream still
+  has queued work (a collective waiting for a peer, or a long kernel) waits for its GPU, and counts
+  as waiting, not stuck (only a GPU can exercise this check: `_gpu_pending`);
 - when every rank waits in a collective with no progress (one that some rank never joined), the
   rank that stopped progressing first is named.
 
@@ -105,8 +109,9 @@ def _main_thread_at() -> tuple[str, bool, tuple]:
 class _Watchdog:
     """The per-rank thread (see the module docstring)."""
 
-    def __init__(self, bound_s: float, poll_s: float, store, rank: int, world: int):
+    def __init__(self, bound_s: float, poll_s: float, store, rank: int, world: int, gpu: int | None = None):
         self.bound_s, self.poll_s = bound_s, poll_s
+        self.gpu = gpu  # the main thread's CUDA device (its streams are queried), None on CPU
         self.store, self.rank, self.world = store, rank, world
         self.beat = 0
         self.seen: dict[int, tuple[object, float]] = {}  # rank -> (its beat, when it last changed here)
@@ -119,12 +124,13 @@ class _Watchdog:
     def status(self, done: bool = False) -> dict:
         last, now = _last, time.monotonic()
         where, waiting, signature = _main_thread_at()
+        gpu_wait = not waiting and _gpu_pending(self.gpu)
         if signature != self.signature:
             self.signature, self.moved_at = signature, now
         detail = ", ".join(f"{k}={v}" for k, v in last.detail.items())
         return {"beat": self.beat, "age": now - last.at, "still": now - self.moved_at, "phase": last.phase,
                 "detail": detail, "step": _step, "recent": list(_recent), "where": where, "waiting": waiting,
-                "host": socket.gethostname(), "pid": os.getpid(), "done": done}
+                "gpu_wait": gpu_wait, "host": socket.gethostname(), "pid": os.getpid(), "done": done}
 
     def publish(self, status: dict) -> None:
         if self.store is not None:
@@ -163,7 +169,7 @@ class _Watchdog:
         # busy, not stuck: only one whose innermost frames did not move is.
         stale = {r: st for r, st in live.items()
                  if min(st["age"], st["still"]) > self.bound_s and st["phase"] != _STARTUP}
-        stuck = [r for r, st in stale.items() if not st["waiting"]]
+        stuck = [r for r, st in stale.items() if not _waits(st)]
         if not frozen and not stuck:
             if not live or len(stale) < len(live):
                 return None
@@ -181,7 +187,7 @@ class _Watchdog:
             lines.append(f"rank {r} stopped responding: no heartbeat for {silent:.1f} s (the process is frozen: "
                          f"SIGSTOP, a debugger, native code holding the GIL, or its host is gone); "
                          f"{_last_seen(st)}")
-        every_waits = stuck and all(live[r]["waiting"] for r in stuck)
+        every_waits = stuck and all(_waits(live[r]) for r in stuck)
         for r in stuck:
             st = live[r]
             why = ("every rank waits in a collective that one of them never joined; this rank stopped progressing "
@@ -189,7 +195,7 @@ class _Watchdog:
                    "not waiting for other ranks")
             lines.append(f"rank {r} made no progress for {st['age']:.1f} s ({why}); {_last_seen(st)}")
         named = set(frozen) | set(stuck)
-        others = [f"rank {r}: {'waits in a collective' if st['waiting'] else 'busy'} at {st['where']}, last "
+        others = [f"rank {r}: {_state(st)} at {st['where']}, last "
                   f"progress {_describe(st['phase'], st['detail'])} {st['age']:.1f} s ago"
                   for r, st in sorted(live.items()) if r not in named]
         head = f"[tinyzero] hang: no progress within trainer.hang_timeout_s={self.bound_s:g} s on rank(s) " + \
@@ -276,6 +282,40 @@ class _Watchdog:
                 pass
 
 
+def _waits(st: dict) -> bool:
+    """Whether a rank's main thread waits for its peers: in a collective, or for its GPU's queued work."""
+    return bool(st["waiting"] or st.get("gpu_wait"))
+
+
+def _state(st: dict) -> str:
+    if st["waiting"]:
+        return "waits in a collective"
+    return "waits for its GPU (queued work: a collective or a kernel)" if st.get("gpu_wait") else "busy"
+
+
+def _gpu_pending(device: int | None) -> bool:
+    """Whether the CUDA device's current stream (the default one, as the main thread's) has queued work
+    that has not finished: a non-blocking query, safe from this thread while the main thread is blocked in
+    a host sync. False on CPU and on any error (the watchdog must not fail on it)."""
+    if device is None:
+        return False
+    torch = sys.modules.get("torch")
+    try:
+        with torch.cuda.device(device):
+            return not torch.cuda.current_stream(device).query()
+    except Exception:  # noqa: BLE001 - a watchdog query, never a reason to fail
+        return False
+
+
+def _main_gpu() -> int | None:
+    """The CUDA device the main thread works on (call from the main thread), None without CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _last_seen(st: dict) -> str:
     step = f" in step {st['step']}" if st.get("step") is not None else ""
     before = f", after {' -> '.join(st['recent'][-4:])}" if st.get("recent") else ""
@@ -318,7 +358,8 @@ def start_watchdog(hang_timeout_s: float) -> None:
     if store is None:
         world = 1  # nothing to see of the other ranks: watch this one
     report_progress(_STARTUP)
-    _watchdog = _Watchdog(float(hang_timeout_s), min(max(hang_timeout_s / 5.0, 0.1), 5.0), store, rank, world)
+    _watchdog = _Watchdog(float(hang_timeout_s), min(max(hang_timeout_s / 5.0, 0.1), 5.0), store, rank, world,
+                          gpu=_main_gpu())
     _watchdog.thread.start()
     atexit.register(stop_watchdog)
 
