@@ -197,6 +197,16 @@ def section_kernels(ctx: Ctx) -> dict:
     c.expect("group_std", rel_err(std.cpu()[multi], std_ref[multi]), 1e-5)
     if dev.type == "cuda":
         torch.cuda.synchronize()
+        # The hang watchdog's view of a rank blocked in a host sync: queued GPU work shows as pending
+        # (it waits for its GPU, not stuck), and nothing once the stream drained.
+        from tinyzero.runtime.progress import _gpu_pending
+
+        a = torch.randn(4096, 4096, device=dev)
+        for _ in range(200):
+            a = a @ a / 64.0
+        c.require("watchdog sees queued GPU work", _gpu_pending(dev.index or 0))
+        torch.cuda.synchronize()
+        c.require("watchdog sees a drained stream", not _gpu_pending(dev.index or 0))
     return {"backend": backend, "failed": c.failed, "errors": c.figures, "on_device": str(logits.device),
             "gpu_mem_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0}
 
