@@ -22,13 +22,14 @@ returns no valid finite score, or runs out of the batch budget stops the run wit
 the traceback (reward.on_error="raise", the default), or scores 0 and is counted ("zero").
 
 With reward.judge.enable, the samples of the data_sources the judge names are scored by an LLM judge
-(tinyzero.rewards.judge; pointwise on each rank's share, or pairwise within each uid group) and the rest
+(tinyzero.rewards.judge_scoring; pointwise on each rank's share, or pairwise within each uid group) and the rest
 by their rules, in the same batch; judge faults and unparsable verdicts follow reward.on_error.
 
 Every key of a scorer's dict result travels as `RewardOutput.reward_extra_info` (key -> one plain
 value per sample, None where a sample's result lacks the key) and in the per-sample records.
 
-veRL's reward managers (reward_model.reward_manager) change how scoring is called:
+veRL's reward managers (reward_model.reward_manager; settings read in tinyzero.rewards.verl_managers)
+change how scoring is called:
   naive  one call per sample (the default).
   batch  the user function (custom_reward_function) is called once per rank's share of the batch:
          `fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...],
@@ -57,17 +58,12 @@ import torch
 import torch.distributed as dist
 
 from tinyzero.distributed import get_rank
-from tinyzero.rewards.config import (
-    REWARD_MANAGERS,
-    CustomRewardFunctionConfig,
-    OverlongBufferConfig,
-    RewardConfig,
-)
-from tinyzero.rewards.judge import Judge
-from tinyzero.rewards.judge_pairwise import group_keys, judge_pairs, ordered_pairs, pairwise_scores
+from tinyzero.rewards.config import CustomRewardFunctionConfig, RewardConfig
+from tinyzero.rewards.judge_scoring import JudgeScoring
 from tinyzero.rewards.overlong import apply_overlong_penalty, overlong_penalty
 from tinyzero.rewards.registry import check_data_sources, load_custom_fn
-from tinyzero.rewards.scoring import ScorerSpec, ScoringPool, score_tasks
+from tinyzero.rewards.scoring import ScoringPool, score_tasks
+from tinyzero.rewards.verl_managers import dapo_overlong, scorer_spec
 from tinyzero.runtime.progress import report_progress
 
 __all__ = ["RewardError", "RewardManager", "RewardOutput", "reward_extra_info"]
@@ -162,68 +158,6 @@ def _response_lengths(data) -> torch.Tensor:
     return mask.to(torch.long).sum(-1)
 
 
-_DAPO_KWARGS = ("overlong_buffer_cfg", "max_resp_len")
-
-
-def _dapo_overlong(manager_kwargs: dict) -> tuple[OverlongBufferConfig | None, bool, int | None]:
-    """(overlong config or None, log, max_resp_len) from the dapo manager's reward_kwargs."""
-    cfg = manager_kwargs.get("overlong_buffer_cfg")
-    if cfg is None:
-        return None, False, None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"reward_model.reward_kwargs.overlong_buffer_cfg must be a mapping (enable, len, "
-                         f"penalty_factor, log), got {cfg!r:.100}")
-    unknown = sorted(set(cfg) - {"enable", "len", "penalty_factor", "log"})
-    if unknown:
-        raise ValueError(f"reward_model.reward_kwargs.overlong_buffer_cfg: unknown keys {unknown}; known: enable, "
-                         "len, penalty_factor, log")
-    buffer = OverlongBufferConfig(enable=bool(cfg.get("enable", False)), len=int(cfg.get("len", 4096)),
-                                  penalty_factor=float(cfg.get("penalty_factor", 1.0)))
-    max_resp_len = manager_kwargs.get("max_resp_len")
-    if buffer.enable and max_resp_len is not None and int(max_resp_len) < buffer.len:
-        raise ValueError(f"reward_model.reward_kwargs.max_resp_len={max_resp_len} must be >= "
-                         f"overlong_buffer_cfg.len={buffer.len}")
-    return buffer, bool(cfg.get("log", False)), None if max_resp_len is None else int(max_resp_len)
-
-
-def _scorer_spec(config: RewardConfig, custom: CustomRewardFunctionConfig | None, manager: str,
-                 manager_kwargs: dict) -> ScorerSpec:
-    """What scores the samples and how it is called; ValueError naming the setting for a bad combination."""
-    if manager not in REWARD_MANAGERS:
-        raise ValueError(f"reward_model.reward_manager must be one of {REWARD_MANAGERS}, got {manager!r}")
-    if not isinstance(manager_kwargs, dict):
-        raise ValueError(f"reward_model.reward_kwargs must be a mapping, got {manager_kwargs!r:.100}")
-    path = custom.spec() if custom is not None else None
-    if path and config.custom_fn:
-        raise ValueError(f"both custom_reward_function.path ({path}) and reward.custom_fn ({config.custom_fn}) are "
-                         "set; keep one (custom_reward_function is veRL's name and takes reward_kwargs)")
-    if manager == "batch" and not path:
-        raise ValueError("reward_model.reward_manager=batch calls a batch reward function: set "
-                         "custom_reward_function.path (and .name) to a function taking data_sources, "
-                         "solution_strs, ground_truths, extra_infos")
-    if manager == "dapo":
-        unknown = sorted(set(manager_kwargs) - set(_DAPO_KWARGS))
-        if unknown:
-            raise ValueError(f"reward_model.reward_kwargs: the dapo reward manager takes {list(_DAPO_KWARGS)}, "
-                             f"got {unknown}")
-    elif manager != "batch" and manager_kwargs:
-        raise ValueError(f"reward_model.reward_kwargs {sorted(manager_kwargs)} are arguments of the reward manager; "
-                         f"the {manager} manager takes none (batch passes them to the batch function, dapo takes "
-                         f"{list(_DAPO_KWARGS)}); arguments of the reward function go in "
-                         "custom_reward_function.reward_kwargs")
-    options = config.scorer_options()
-    if path:
-        kwargs = dict(custom.reward_kwargs)
-        if manager == "batch":
-            kwargs = {**manager_kwargs, **kwargs}  # veRL: the function's own kwargs win over the manager's
-        call = {"batch": "batch", "prime": "prime"}.get(manager, "keyword")
-        return ScorerSpec(custom_fn=path, call=call, reward_kwargs=kwargs, options=options)
-    if config.custom_fn:
-        return ScorerSpec(custom_fn=config.custom_fn, call="prime" if manager == "prime" else "positional",
-                          options=options)
-    return ScorerSpec(options=options)
-
-
 class RewardManager:
     """Scores generated responses with the data_source's rule (see the module docstring).
 
@@ -238,9 +172,9 @@ class RewardManager:
         self.config = config if config is not None else RewardConfig()
         self.manager = reward_manager
         manager_kwargs = dict(reward_kwargs or {})
-        self.spec = _scorer_spec(self.config, custom_function, reward_manager, manager_kwargs)
+        self.spec = scorer_spec(self.config, custom_function, reward_manager, manager_kwargs)
         self._overlong, self._overlong_log, self._max_resp_len = (
-            _dapo_overlong(manager_kwargs) if reward_manager == "dapo" else (None, False, None))
+            dapo_overlong(manager_kwargs) if reward_manager == "dapo" else (None, False, None))
         if self._overlong is not None and self._overlong.enable and self.config.overlong_buffer.enable:
             raise ValueError("both reward.overlong_buffer.enable and reward_model.reward_kwargs.overlong_buffer_cfg."
                              "enable are set; keep one")
@@ -249,8 +183,7 @@ class RewardManager:
             load_custom_fn(self.spec.custom_fn, what=what)  # fail at start-up on a bad path / name
         self._pool: ScoringPool | None = None
         self._printed: set[str] = set()  # warnings already printed (each kind once per manager)
-        self._judge = Judge(self.config.judge) if self.config.judge.enable else None
-        self._judge_time = 0.0
+        self._judging = JudgeScoring(self.config.judge) if self.config.judge.enable else None
 
     def check_data_sources(self, data_sources) -> None:
         """Raise ValueError now if any data_source has no scorer (call before training)."""
@@ -258,8 +191,8 @@ class RewardManager:
 
     # ------------------------------------------------------------------ scoring
     def _scorer_name(self, data_source: str) -> str:
-        if self._judge is not None and self.config.judge.judges(data_source):
-            return f"{self._judge.name} (reward.judge)"
+        if self._judging is not None and self._judging.judges(data_source):
+            return self._judging.name
         if self.spec.custom_fn:
             what = "reward.custom_fn" if self.spec.call == "positional" else "custom_reward_function"
             return f"{what} {self.spec.custom_fn}"
@@ -267,27 +200,9 @@ class RewardManager:
 
     def _score(self, tasks: list, prompts: list[str] | None) -> tuple[list[dict], bool]:
         """The judge's results for the samples of the data_sources it scores, the rule scorers' for the rest."""
-        if self._judge is None:
+        if self._judging is None:
             return self._score_rules(tasks)
-        judged = [i for i, t in enumerate(tasks) if self.config.judge.judges(t[0])]
-        ruled = [i for i, t in enumerate(tasks) if not self.config.judge.judges(t[0])]
-        results: list[dict] = [{}] * len(tasks)
-        parallel = False
-        if ruled:
-            rule_results, parallel = self._score_rules([tasks[i] for i in ruled])
-            for i, r in zip(ruled, rule_results):
-                results[i] = r
-        if self.config.judge.mode == "pairwise":  # judged over whole groups after the gather (_judge_pairwise)
-            judge_results = [{"score": 0.0, "acc": False, "formatted": False, "extra": {}, "error": None,
-                              "timeout": False, "judge": "pairwise"} for _ in judged]
-        else:
-            start = time.perf_counter()
-            judge_results = self._judge.score([prompts[i] if prompts else "" for i in judged],
-                                              [tasks[i][1] for i in judged], [tasks[i][2] for i in judged])
-            self._judge_time = time.perf_counter() - start
-        for i, r in zip(judged, judge_results):
-            results[i] = r
-        return results, parallel
+        return self._judging.score(tasks, prompts, self._score_rules)
 
     def _score_rules(self, tasks: list) -> tuple[list[dict], bool]:
         cfg, custom = self.config, bool(self.spec.custom_fn)
@@ -401,13 +316,18 @@ class RewardManager:
             if not isinstance(rm, dict) or "ground_truth" not in rm:
                 raise ValueError(f"row {i}: reward_model must be a dict with 'ground_truth', got {rm!r}"[:300])
             tasks.append((str(nt["data_source"][i]), texts[i], rm["ground_truth"], self._extra_info(nt, i)))
-        self._judge_time = 0.0
-        prompts = self._judge_prompts(data) if self._judge is not None else None
+        judging = self._judging
+        prompts = judging.prompts(data, lambda: self._decode_prompts(data, skip_special_tokens=True)) \
+            if judging is not None else None
         results, parallel = self._score_sharded(tasks, prompts)
         self._check_results(tasks, results)
         judge_states = [r.get("judge") for r in results]
-        if self._judge is not None and self.config.judge.mode == "pairwise":
-            judge_states = self._judge_pairwise(data, tasks, prompts, results)
+        if judging is not None and judging.config.mode == "pairwise":
+            judge_states, failure = judging.pairwise(data, tasks, prompts, results, _rank(), _world())
+            if failure and self.config.on_error == "raise":
+                raise RewardError(failure + "\n(set --reward.on_error zero to count such comparisons as ties and go on)")
+            if failure:
+                self._print_once("pairwise", f"[reward] warning: {failure}; they count as ties (reward.on_error=zero)")
         results = [{k: v for k, v in r.items() if k not in ("traceback", "gave_up", "judge")} for r in results]
         if self.manager == "prime":
             for r in results:
@@ -444,11 +364,8 @@ class RewardManager:
                 sample = {"prompt": prompts[i], **sample}
             samples.append(sample)
         metrics["reward/parallel"] = float(parallel)
-        if self._judge is not None:
-            metrics["reward/judge_count"] = float(sum(self.config.judge.judges(t[0]) for t in tasks))
-            metrics["reward/judge_parse_errors"] = float(sum(s == "parse_error" for s in judge_states))
-            metrics["reward/judge_failures"] = float(sum(s == "failed" for s in judge_states))
-            metrics["timing_s/reward_judge"] = self._judge_time
+        if judging is not None:
+            metrics.update(judging.metrics(tasks, judge_states))
         metrics["timing_s/reward"] = time.perf_counter() - start
         self._examine(samples)
         return RewardOutput(token_level_scores=token_level_scores, scores=scores.to(responses.device),
@@ -468,42 +385,7 @@ class RewardManager:
         row["rollout_reward_scores"] = scores[i] if scores is not None else {}
         return row
 
-    def _judge_pairwise(self, data, tasks: list, prompts: list[str], results: list[dict]) -> list[str]:
-        """reward.judge.mode=pairwise: every ordered pair of each group judged (split over the ranks, gathered),
-        each judged sample's result set to its share of wins; returns each comparison's judge state."""
-        judged = [i for i, t in enumerate(tasks) if self.config.judge.judges(t[0])]
-        pairs = ordered_pairs(judged, group_keys(data.non_tensor_batch.get("uid"), prompts, [t[2] for t in tasks]))
-        start = time.perf_counter()
-        verdicts = judge_pairs(self._judge, pairs, prompts, [t[1] for t in tasks], [t[2] for t in tasks],
-                               _rank(), _world())
-        self._judge_time = time.perf_counter() - start
-        failed = [k for k, v in enumerate(verdicts) if v["judge"] != "ok"]
-        if failed:
-            (i, j), v = pairs[failed[0]], verdicts[failed[0]]
-            msg = (f"{self._judge.name} (reward.judge, pairwise) failed on {len(failed)} of {len(pairs)} comparisons; "
-                   f"the first, sample {i} against sample {j}: {v['error']}")
-            if self.config.on_error == "raise":
-                raise RewardError(msg + "\n(set --reward.on_error zero to count such comparisons as ties and go on)")
-            self._print_once("pairwise", f"[reward] warning: {msg}; they count as ties (reward.on_error=zero)")
-        scores = pairwise_scores(judged, pairs, [v["score"] if v["judge"] == "ok" else None for v in verdicts])
-        for i in judged:
-            results[i] = {**results[i], "score": scores[i], "acc": scores[i] >= 0.5, "formatted": True}
-        return [v["judge"] for v in verdicts]
-
     # ------------------------------------------------------------------ helpers
-    def _judge_prompts(self, data) -> list[str]:
-        """The prompt the judge sees per sample: the last user message of `raw_prompt` (data.return_raw_chat),
-        else the prompt tokens decoded without special tokens."""
-        raw = data.non_tensor_batch.get("raw_prompt")
-        if raw is not None:
-            texts = []
-            for messages in raw:
-                users = [m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-                texts.append(str(users[-1]) if users else "\n".join(str(m.get("content", "")) for m in messages))
-            return texts
-        decoded = self._decode_prompts(data, skip_special_tokens=True)
-        return [""] * len(data.batch["responses"]) if decoded is None else [t.strip() for t in decoded]
-
     def _decode_prompts(self, data, skip_special_tokens: bool = False) -> list[str] | None:
         if "prompts" not in data.batch:
             return None
