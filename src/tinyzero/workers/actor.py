@@ -34,13 +34,7 @@ from tinyzero.workers.batching import make_micro_batches, restore_order
 from tinyzero.workers.common import TrainedModel, reshard
 from tinyzero.workers.config import ActorConfig
 from tinyzero.workers.forward import response_log_probs
-from tinyzero.workers.update import (
-    accumulate_gradients,
-    mini_batches,
-    optimizer_step,
-    step_scheduler,
-    update_step_metrics,
-)
+from tinyzero.workers.update import run_update
 
 # The per-mini-batch statistics (reduced with one all-reduce) and how each is weighted.
 _STAT_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
@@ -163,7 +157,6 @@ class PPOActor(TrainedModel):
     def update_policy(self, data: DataProto, rows_per_mini_batch: int) -> dict[str, float]:
         """PPO update over `data` (this rank's rows); returns metrics reduced over the DP group."""
         cfg = self.config
-        self.model.train()
         temperature = float(data.meta_info.get("temperature", 1.0))
         source = self._old_log_prob_source(data, rows_per_mini_batch)
         distill = data.meta_info.get("distill_loss")  # {"coef", "kl_type"} in distillation's "loss" mode
@@ -173,28 +166,16 @@ class PPOActor(TrainedModel):
             raise ValueError(f"update_actor: batch lacks {missing} (use_kl_loss needs ref_log_prob; "
                              f"tis_imp_ratio_cap > 0 and use_rollout_log_probs need rollout_log_probs)")
         data = data.select(batch_keys=keys)
-        params = self.optimizer_params()
-        stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
-        steps = []  # (grad_norm, stepped) of each optimizer step
         measure = source != "actor" and "rollout_log_probs" in data.batch
         self._seen = [] if measure else None
         mismatch = {}
-        for epoch in range(cfg.ppo_epochs):
-            seed = cfg.seed + 1000003 * self.num_updates + epoch
-            for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
-                micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                               cfg.ppo_max_token_len_per_gpu, self.dp_group, self.packing)
-                self.optimizer.zero_grad(set_to_none=True)
-                stats_sum += accumulate_gradients(
-                    micros, mini.batch["response_mask"], cfg.loss_agg_mode,
-                    lambda batch: self._micro_loss(batch, temperature, source, distill), _STAT_KINDS, self.device,
-                    self.dp_size, self.dp_group)
-                if self._seen is not None:  # measured before the first optimizer step only
-                    mismatch = self._mismatch_metrics()
-                steps.append(optimizer_step(self.optimizer, params, cfg.grad_clip, "actor"))
-        lr = step_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else cfg.optim.lr
-        self.num_updates += 1
-        metrics = {name: float(v) / len(steps) for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
+
+        def measure_mismatch():  # before the first optimizer step only
+            mismatch.update(self._mismatch_metrics())
+
+        metrics = run_update(self, data, rows_per_mini_batch,
+                             lambda batch: self._micro_loss(batch, temperature, source, distill), _STAT_NAMES,
+                             _STAT_KINDS, "actor", measure_mismatch if measure else None)
         metrics.update(mismatch)
         if cfg.entropy_coeff == 0 and source == "actor":
             metrics.pop("actor/entropy")
@@ -204,5 +185,4 @@ class PPOActor(TrainedModel):
             metrics.pop("actor/kl_loss")
         if distill is None:
             metrics.pop("actor/distill_loss")
-        metrics.update(update_step_metrics("actor", steps, lr))
         return metrics

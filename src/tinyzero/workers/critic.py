@@ -16,13 +16,7 @@ from tinyzero.workers.batching import make_micro_batches, restore_order
 from tinyzero.workers.common import TrainedModel, reshard
 from tinyzero.workers.config import CriticConfig
 from tinyzero.workers.forward import response_values
-from tinyzero.workers.update import (
-    accumulate_gradients,
-    mini_batches,
-    optimizer_step,
-    step_scheduler,
-    update_step_metrics,
-)
+from tinyzero.workers.update import run_update
 
 _STAT_NAMES = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
 _STAT_KINDS = ("loss", "token", "token")
@@ -69,29 +63,10 @@ class PPOCritic(TrainedModel):
 
     def update_critic(self, data: DataProto, rows_per_mini_batch: int) -> dict[str, float]:
         """Value-loss update over `data` (this rank's rows); metrics reduced over the DP group."""
-        cfg = self.config
-        self.model.train()
         keys = _FORWARD_KEYS + ["response_mask", "values", "returns"]
         missing = [k for k in keys if k not in data.batch]
         if missing:
             raise ValueError(f"update_critic: batch lacks {missing} (compute_values and compute_advantage "
                              f"must run first)")
         data = data.select(batch_keys=keys)
-        params = self.optimizer_params()
-        stats_sum = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
-        steps = []  # (grad_norm, stepped) of each optimizer step
-        for epoch in range(cfg.ppo_epochs):
-            seed = cfg.seed + 1000003 * self.num_updates + epoch
-            for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
-                micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                               cfg.ppo_max_token_len_per_gpu, self.dp_group, self.packing)
-                self.optimizer.zero_grad(set_to_none=True)
-                stats_sum += accumulate_gradients(micros, mini.batch["response_mask"], cfg.loss_agg_mode,
-                                                  self._micro_loss, _STAT_KINDS, self.device, self.dp_size,
-                                                  self.dp_group)
-                steps.append(optimizer_step(self.optimizer, params, cfg.grad_clip, "critic"))
-        lr = step_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else cfg.optim.lr
-        self.num_updates += 1
-        metrics = {name: float(v) / len(steps) for name, v in zip(_STAT_NAMES, stats_sum.tolist())}
-        metrics.update(update_step_metrics("critic", steps, lr))
-        return metrics
+        return run_update(self, data, rows_per_mini_batch, self._micro_loss, _STAT_NAMES, _STAT_KINDS, "critic")

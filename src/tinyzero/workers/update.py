@@ -1,6 +1,7 @@
-"""The training loop pieces shared by the actor and the critic.
+"""The training loop the actor and the critic share, and its pieces.
 
-`mini_batches` splits a rank's rows into optimizer-step mini-batches;
+`run_update` is the one PPO update loop of both (epochs, mini-batches, micro-batches, optimizer
+steps, the lr schedule); the roles differ only in their micro-batch loss and statistics. `mini_batches` splits a rank's rows into optimizer-step mini-batches;
 `accumulate_gradients` runs the micro-batches of one mini-batch with exact loss scaling
 (tinyzero.workers.scaling) and sums the weighted statistics; `optimizer_step` clips the
 gradient norm and steps, or skips the step when the norm is not finite.
@@ -22,6 +23,41 @@ from tinyzero.runtime.progress import report_progress
 from tinyzero.workers.scaling import all_reduce_sum, global_counts, micro_weight, token_weight
 
 logger = logging.getLogger(__name__)
+
+
+def run_update(trained, data: DataProto, rows_per_mini_batch: int, micro_loss: Callable[[dict], tuple],
+               stat_names: Sequence[str], stat_kinds: Sequence[str], role: str,
+               after_first_accumulate: Callable[[], None] | None = None) -> dict[str, float]:
+    """One update of `trained` (a workers.common.TrainedModel: the actor or the critic) over this rank's rows:
+    config.ppo_epochs passes, each over mini-batches of rows_per_mini_batch rows (reshuffled per epoch when
+    config.shuffle, from the config seed and the update count), each split into micro-batches whose gradients
+    accumulate with exact token-mean scaling (accumulate_gradients), then one clipped optimizer step (skipped
+    on a non-finite norm); the lr schedule steps once per update. `after_first_accumulate` runs after the
+    first mini-batch's gradients, before its optimizer step (the actor measures the rollout mismatch there).
+    Returns the statistics averaged over the optimizer steps, with {role}/grad_norm, lr, num_skipped_steps."""
+    from tinyzero.workers.batching import make_micro_batches
+
+    cfg = trained.config
+    trained.model.train()
+    params = trained.optimizer_params()
+    stats_sum = torch.zeros(len(stat_names), dtype=torch.float64)
+    steps = []  # (grad_norm, stepped) of each optimizer step
+    for epoch in range(cfg.ppo_epochs):
+        seed = cfg.seed + 1000003 * trained.num_updates + epoch
+        for mini in mini_batches(data, rows_per_mini_batch, cfg.shuffle, seed):
+            micros, _ = make_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                           cfg.ppo_max_token_len_per_gpu, trained.dp_group, trained.packing)
+            trained.optimizer.zero_grad(set_to_none=True)
+            stats_sum += accumulate_gradients(micros, mini.batch["response_mask"], cfg.loss_agg_mode, micro_loss,
+                                              stat_kinds, trained.device, trained.dp_size, trained.dp_group)
+            if after_first_accumulate is not None and not steps:
+                after_first_accumulate()
+            steps.append(optimizer_step(trained.optimizer, params, cfg.grad_clip, role))
+    lr = step_scheduler(trained.lr_scheduler) if trained.lr_scheduler is not None else cfg.optim.lr
+    trained.num_updates += 1
+    metrics = {name: float(v) / len(steps) for name, v in zip(stat_names, stats_sum.tolist())}
+    metrics.update(update_step_metrics(role, steps, lr))
+    return metrics
 
 
 def mini_batches(data: DataProto, rows_per_rank: int, shuffle: bool, seed: int) -> list[DataProto]:
