@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_collective_timeout_s,
         set_seed,
     )
+    from tinyzero.distributed.shm_comm import enable_shm_collectives
     from tinyzero.rewards.manager import RewardError
     from tinyzero.runtime.host_memory import keep_freed_memory, set_mmap_threshold, set_trim_threshold
     from tinyzero.runtime.progress import start_watchdog, stop_watchdog
@@ -166,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.tuning.host_mmap_threshold_kb > 0:
         set_mmap_threshold(cfg.tuning.host_mmap_threshold_kb * 1024)
     set_trim_threshold(cfg.tuning.host_trim_threshold_mb * 2**20)
-    if cfg.tuning.keep_freed_memory(on_cpu=cfg.trainer.device == "cpu" or device_type() == "cpu"):
+    on_cpu = cfg.trainer.device == "cpu" or device_type() == "cpu"
+    if cfg.tuning.keep_freed_memory(on_cpu=on_cpu):
         keep_freed_memory()
+    enable_shm_collectives(cfg.tuning.use_shm_collectives(on_cpu=on_cpu))
     # Raised in a worker, these reach the other ranks as one line too (single_controller.failure).
     report_as_user_errors(RunFolderBusy, CheckpointSpaceError, Preempted, NonFiniteError)
     try:

@@ -157,6 +157,20 @@ def test_unknown_flag_names_nearest():
         parse_args(["--preset", "demo_cpu", "--trainer.total_epoch", "3"])
     with pytest.raises(ValueError, match=r"--actor_rollout_ref\.actor\.optim\.lrr .*'actor_rollout_ref\.actor\.optim\.lr'"):
         parse_args(["--actor_rollout_ref.actor.optim.lrr=1e-6"])
+    # A setting that moved to another section is found by its name.
+    with pytest.raises(ValueError, match=r"did you mean 'tuning\.shm_collectives'"):
+        parse_args(["--actor_rollout_ref.actor.fsdp_config.shm_collectives", "false"])
+    with pytest.raises(ValueError, match=r"did you mean 'tuning\.shm_collectives'"):
+        parse_args(["critic.fsdp_config.shm_collectives=false"])
+
+
+def test_shared_memory_collectives_follow_the_device_unless_set():
+    """tuning.shm_collectives: unset is on for CPU runs and off on GPU hosts; a value the user sets is kept."""
+    cfg = parse_args(["--preset", "demo_cpu"])
+    assert cfg.tuning.shm_collectives is None
+    assert cfg.tuning.use_shm_collectives(on_cpu=True) and not cfg.tuning.use_shm_collectives(on_cpu=False)
+    off = parse_args(["--preset", "demo_cpu", "tuning.shm_collectives=false"])
+    assert not off.tuning.use_shm_collectives(on_cpu=True)
 
 
 @pytest.mark.slow

@@ -395,5 +395,10 @@ def check_model_context(cfg: Config, max_position_embeddings: int) -> None:
 
 
 def nearest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    """A hint naming the setting the user probably meant: the one setting with the same last name (a
+    setting that moved between sections), else the closest spelling."""
+    choices = list(choices)
+    leaf = name.rsplit(".", 1)[-1]
+    moved = [c for c in choices if c.rsplit(".", 1)[-1] == leaf and c != name]
+    close = moved if len(moved) == 1 else difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""

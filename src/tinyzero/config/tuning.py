@@ -30,6 +30,15 @@ class TuningConfig:
     host_mmap_threshold_kb. None: on for runs on the CPU (trainer.device=cpu, or auto on a host without a
     GPU) unless host_mmap_threshold_kb is set; off on GPU hosts, where the host heaps are not the bottleneck."""
 
+    shm_collectives: bool | None = None
+    """CPU ranks of one x86 host: FSDP2's all-gathers and reduce-scatters (every role's model) go through a
+    shared-memory segment (tinyzero.distributed.shm_comm) instead of gloo's TCP loopback; same results, fewer
+    copies. Ignored for ranks on several hosts. None: on for runs on the CPU, off on GPU hosts (NCCL)."""
+
+    def use_shm_collectives(self, on_cpu: bool) -> bool:
+        """Whether the run routes CPU FSDP2 collectives through shared memory (shm_collectives, or its default)."""
+        return on_cpu if self.shm_collectives is None else self.shm_collectives
+
     def keep_freed_memory(self, on_cpu: bool) -> bool:
         """Whether the run keeps freed host memory (host_keep_freed_memory, or its default for the device)."""
         if self.host_keep_freed_memory is not None:

@@ -263,6 +263,17 @@ class ShmReduceScatter(_ShmCollective, ReduceScatter):
 
 
 _COMMS: dict = {}  # process group -> the ShmComm its FSDP2 modules use (one segment per group)
+_ENABLED: list[bool] = [True]
+
+
+def enable_shm_collectives(on: bool) -> None:
+    """Whether FSDP2 models of this process route their collectives through shared memory where they can
+    (tuning.shm_collectives; train.py sets it once, before any model is wrapped)."""
+    _ENABLED[0] = bool(on)
+
+
+def shm_collectives_enabled() -> bool:
+    return _ENABLED[0]
 
 
 def comm_for(group) -> ShmComm | None:
@@ -278,7 +289,7 @@ def _warn_no_hooks() -> None:
         _WARNED.append(True)
         import warnings
 
-        warnings.warn(f"fsdp_config.shm_collectives is ignored: torch {torch.__version__} has no FSDP2 custom-"
+        warnings.warn(f"tuning.shm_collectives is ignored: torch {torch.__version__} has no FSDP2 custom-"
                       "collective hooks (set_custom_all_gather); FSDP2 uses torch.distributed", stacklevel=3)
 
 

@@ -143,9 +143,6 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     """Free the all-gathered parameters after each layer's forward (ZeRO-3). False keeps them until
     backward (ZeRO-2 style: more memory, fewer all-gathers)."""
-    shm_collectives: bool = True
-    """CPU ranks of one x86 host: FSDP2's all-gathers and reduce-scatters go through a shared-memory segment
-    (tinyzero.distributed.shm_comm) instead of gloo's TCP loopback; same results, fewer copies. Ignored elsewhere."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """Compute / reduce dtypes."""
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)

@@ -14,7 +14,7 @@ Dtypes come from tinyzero.models.precision: a trained model's parameters stay fp
 MixedPrecisionPolicy casts them to bf16 for compute on GPU and reduces gradients in fp32; on CPU
 everything is fp32.
 On CPU ranks of one x86 host the units' all-gathers and reduce-scatters go through a shared-memory
-segment (tinyzero.distributed.shm_comm, `fsdp_config.shm_collectives`) instead of gloo's TCP loopback.
+segment (tinyzero.distributed.shm_comm, `tuning.shm_collectives`) instead of gloo's TCP loopback.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tinyzero.distributed import collective_timeout_s
 from tinyzero.distributed.parallel_dims import ParallelDims
-from tinyzero.distributed.shm_comm import use_shm_collectives
+from tinyzero.distributed.shm_comm import shm_collectives_enabled, use_shm_collectives
 from tinyzero.models.config import FSDPConfig, ModelConfig
 from tinyzero.models.loading import check_model_path, load_model, pick_attn_implementation
 from tinyzero.models.precision import PrecisionPolicy, check_trained_dtypes, compute_dtypes, resolve_precision
@@ -119,7 +119,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp_config: FSDPConfig,
     # start to its end anyway; resharding in between would only cost one more all-gather. Forward-only
     # passes free it explicitly (workers.common.reshard).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
-    if fsdp_config.shm_collectives:
+    if shm_collectives_enabled():
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         use_shm_collectives(units, mesh.get_group(mesh.ndim - 1), torch.device(mesh.device_type), collective_timeout_s())
     return model
