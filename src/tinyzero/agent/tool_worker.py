@@ -3,17 +3,16 @@
 Reads (tool specs, memory limit in MiB, max characters) once from stdin, loads the tools, caps its
 own address space (RLIMIT_AS: what it uses now plus the limit), answers None (or the load error),
 then answers each (tool name, arguments) with ("ok", text), ("error", message) or ("memory", message)
-(the memory limit was hit), as length-prefixed pickles on stdout. It imports neither torch nor the trainer: a tool that misbehaves harms only this
-process, which the pool kills and replaces.
+(the memory limit was hit), as length-prefixed pickles on stdout (tinyzero.runtime.subprocess_pool.serve).
+It imports neither torch nor the trainer: a tool that misbehaves harms only this process, which the
+pool kills and replaces.
 """
 
 from __future__ import annotations
 
 import resource
-import signal
-import sys
 
-from tinyzero.rewards.scoring import read_message, write_message
+from tinyzero.runtime.subprocess_pool import serve
 
 
 def address_space_bytes() -> int:
@@ -55,29 +54,21 @@ def run_call(tools: dict, name: str, args: dict, max_chars: int) -> tuple[str, s
         return "error", truncate(f"{type(e).__name__}: {e}", max_chars)
 
 
-def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # prints from tools must not corrupt the result pipe
-    specs, memory_mb, max_chars = read_message(stdin)
-    try:
-        from tinyzero.agent.tools import load_tool
+def setup(settings: tuple[list[str], int, int]):
+    """Load the tools and cap the memory; the function that answers one (tool name, arguments) call."""
+    specs, memory_mb, max_chars = settings
+    from tinyzero.agent.tools import load_tool
 
-        tools = {}
-        for spec in specs:
-            tool = load_tool(spec)
-            tools[tool.name] = tool
-        limit_memory(memory_mb)
-        write_message(stdout, None)  # ready
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        write_message(stdout, f"{type(e).__name__}: {e}")
-        return
-    while True:
-        try:
-            name, args = read_message(stdin)
-        except EOFError:
-            return
-        write_message(stdout, run_call(tools, name, args, max_chars))
+    tools = {}
+    for spec in specs:
+        tool = load_tool(spec)
+        tools[tool.name] = tool
+    limit_memory(memory_mb)
+    return lambda call: run_call(tools, *call, max_chars)
+
+
+def main() -> None:
+    serve(setup)
 
 
 if __name__ == "__main__":

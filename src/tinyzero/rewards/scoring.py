@@ -17,9 +17,8 @@ The time limit uses SIGALRM in the main thread of the scoring process (the train
 thread, or a pool worker's). Its exception derives from BaseException so a scorer's own
 `except Exception` cannot swallow it; a bare `except:` can, which is why user functions run in
 pool workers: ScoringPool kills a worker still busy past the limit (plus a grace), and stops a
-batch at its budget. Pool workers are plain subprocesses running
-`python -m tinyzero.rewards.scoring_worker` (started once, reused), fed over pipes; unlike a
-multiprocessing pool they never re-import the trainer's main script.
+batch at its budget. Pool workers are `python -m tinyzero.rewards.scoring_worker` subprocesses
+(started once, reused) of a tinyzero.runtime.subprocess_pool.SubprocessPool.
 """
 
 from __future__ import annotations
@@ -27,22 +26,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import os
-import pickle
-import select
 import signal
-import struct
-import subprocess
-import sys
 import threading
 import time
 import traceback
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
 from tinyzero.rewards.registry import DETAIL_SCORERS, get_scorer, load_custom_fn, normalize_result
+from tinyzero.runtime.subprocess_pool import Outcome, SubprocessPool
 
 __all__ = ["score_tasks", "ScoringPool", "ScoreTimeout", "ScorerSpec"]
 
@@ -185,108 +178,7 @@ def score_tasks(tasks, custom_fn: str | None = None, options: dict | None = None
         return [_score_one(t, spec, timeout_s, alarm) for t in tasks]
 
 
-_HEADER = struct.Struct("<Q")
-
-
-def write_message(stream, obj) -> None:
-    """Length-prefixed pickle on a binary stream (parent <-> its own worker only)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)))
-    stream.write(data)
-    stream.flush()
-
-
-def read_message(stream):
-    """The next length-prefixed pickle from a binary stream; EOFError when the peer is gone."""
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError("scoring worker closed its pipe")
-    (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("scoring worker closed its pipe mid-message")
-    return pickle.loads(data)
-
-
-class _Worker:
-    """One scoring subprocess; answers one task list at a time (so a select() on its pipe is exact).
-    Other worker kinds (tinyzero.agent.pool) change `module` (run with -m) and the names in errors."""
-
-    module = "tinyzero.rewards.scoring_worker"
-    kind = "a reward scoring worker"
-    loads = "its scorer"
-
-    def __init__(self, settings: tuple, ready_timeout_s: float):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        write_message(self.proc.stdin, settings)
-        # The worker answers once it has imported the scorers (and the user function): start-up is not
-        # charged to the first sample's time limit.
-        if not select.select([self.proc.stdout], [], [], ready_timeout_s)[0]:
-            self.kill()
-            raise TimeoutError(f"{self.kind} did not start within {ready_timeout_s:.0f} s")
-        try:
-            error = read_message(self.proc.stdout)
-        except EOFError:
-            error = f"it exited with code {self.proc.wait()} while loading"
-        if error is not None:
-            self.kill()
-            raise ValueError(f"{self.kind} could not load {self.loads}: {error}")
-        self.busy: tuple[int, int, float] | None = None  # (first task, end, when it was sent)
-
-    def send(self, tasks: list, first: int) -> None:
-        write_message(self.proc.stdin, tasks)
-        self.busy = (first, first + len(tasks), time.monotonic())
-
-    def receive(self) -> list[dict]:
-        self.busy = None
-        return read_message(self.proc.stdout)
-
-    def run(self, tasks: list) -> list[dict]:
-        self.send(tasks, 0)
-        return self.receive()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-
-
-class WorkerSlots:
-    """A fixed number of worker-process slots, each started on first use and replaced when it died."""
-
-    def __init__(self, num_workers: int):
-        self._workers: list[_Worker | None] = [None] * num_workers
-
-    def _new_worker(self) -> _Worker:
-        raise NotImplementedError
-
-    def _worker(self, i: int) -> _Worker:
-        w = self._workers[i]
-        if w is None or not w.alive():
-            if w is not None:
-                w.kill()
-            w = self._workers[i] = self._new_worker()
-        return w
-
-    def _drop(self, i: int) -> None:
-        w, self._workers[i] = self._workers[i], None
-        if w is not None:
-            w.kill()
-
-
-class ScoringPool(WorkerSlots):
+class ScoringPool:
     """Scoring subprocesses that can be killed: per-sample limits that hold, and a per-batch budget.
 
     Tasks go out in chunks (`chunk_size`; 1 for user functions, so a failure names its sample),
@@ -305,15 +197,12 @@ class ScoringPool(WorkerSlots):
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
         self.num_workers = num_workers
         self.spec = spec or ScorerSpec(custom_fn=custom_fn, options=dict(options or {}))
-        self.settings = (self.spec, timeout_s)
         self.timeout_s = timeout_s
-        self.slack_s = slack_s
         self.batch_timeout_s = batch_timeout_s
-        self.kill_grace_s = kill_grace_s
-        super().__init__(num_workers)
-
-    def _new_worker(self) -> _Worker:
-        return _Worker(self.settings, self.slack_s)
+        # slack_s: how long a worker may take to import the scorers and the user function
+        self.workers = SubprocessPool("tinyzero.rewards.scoring_worker", (self.spec, timeout_s), num_workers,
+                                      ready_timeout_s=slack_s, kill_grace_s=kill_grace_s,
+                                      name="a reward scoring worker", loads="its scorer")
 
     def score(self, tasks: list, chunk_size: int | None = None, on_progress=None) -> list[dict]:
         """Score tasks across the workers; order is preserved (see the class docstring)."""
@@ -321,61 +210,32 @@ class ScoringPool(WorkerSlots):
         if not n:
             return []
         size = chunk_size or max(1, min(256, math.ceil(n / (4 * self.num_workers))))
-        pending = deque(range(0, n, size))
-        results: list[dict | None] = [None] * n
-        done = 0
-        for i in range(min(self.num_workers, len(pending))):
-            self._worker(i)  # start-up (imports, the user module) is not charged to the batch
-        budget_end = time.monotonic() + self.batch_timeout_s if self.batch_timeout_s > 0 else math.inf
-        while pending or any(w is not None and w.busy for w in self._workers):
-            for i in range(self.num_workers):
-                if pending and (self._workers[i] is None or not self._workers[i].busy):
-                    first = pending.popleft()
-                    self._worker(i).send(tasks[first:first + size], first)
-            busy = {w.proc.stdout: i for i, w in enumerate(self._workers) if w is not None and w.busy}
-            ready = select.select(list(busy), [], [], 0.05)[0]
-            for stream in ready:
-                i = busy[stream]
-                first, end, _ = self._workers[i].busy
-                try:
-                    results[first:end] = self._workers[i].receive()
-                except (EOFError, OSError, pickle.UnpicklingError):
-                    code = self._workers[i].proc.poll()
-                    self._drop(i)
-                    results[first:end] = [_failed(error=f"the scoring worker died (exit code {code}) while "
-                                                        "scoring this sample") for _ in range(end - first)]
-                done += end - first
-                if on_progress is not None:
-                    on_progress(done, n)
-            now = time.monotonic()
-            for i, w in enumerate(self._workers):
-                if w is None or not w.busy:
-                    continue
-                first, end, sent = w.busy
-                if self.timeout_s > 0 and now - sent > (end - first) * self.timeout_s + self.kill_grace_s:
-                    self._drop(i)  # the function outlived its alarm: only killing it stops it
-                    results[first:end] = [_failed(timeout=True) for _ in range(end - first)]
-                    done += end - first
-            if now > budget_end:
-                for i, w in enumerate(self._workers):
-                    if w is not None and w.busy:
-                        first, end, _ = w.busy
-                        self._drop(i)
-                        results[first:end] = [{**_failed(timeout=True), "gave_up": "in flight"}
-                                              for _ in range(end - first)]
-                for first in pending:
-                    results[first:first + size] = [{**_failed(timeout=True), "gave_up": "not started"}
-                                                   for _ in range(min(size, n - first))]
-                break
+        chunks = [tasks[first:first + size] for first in range(0, n, size)]
+        # The workers' own alarm stops each sample at timeout_s; the pool kills a chunk that outlives it.
+        limits = [len(chunk) * self.timeout_s if self.timeout_s > 0 else math.inf for chunk in chunks]
+        done = [0]
+
+        def progress(k: int, outcome: Outcome) -> None:
+            done[0] += len(chunks[k])
+            if on_progress is not None:
+                on_progress(done[0], n)
+
+        outcomes = self.workers.run(chunks, limits, budget_s=self.batch_timeout_s, on_outcome=progress)
+        results: list[dict] = []
+        for chunk, outcome in zip(chunks, outcomes):
+            if outcome.status == "done":
+                results += outcome.reply
+                continue
+            if outcome.status == "died":
+                failed = _failed(error=f"the scoring worker died (exit code {outcome.exit_code}) while scoring "
+                                       "this sample")
+            elif outcome.status == "timeout":
+                failed = _failed(timeout=True)
+            else:
+                failed = {**_failed(timeout=True), "gave_up": outcome.status.replace("_", " ")}
+            results += [dict(failed) for _ in chunk]
         return results
 
     def close(self) -> None:
         """Stop the worker processes (a later `score` starts new ones)."""
-        for i in range(self.num_workers):
-            self._drop(i)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        self.workers.close()

@@ -1,1 +1,1 @@
-"""Run-time utilities below everything else: progress and the hang watchdog, host memory, durable file I/O, HTTP calls, the program sandbox."""
+"""Run-time utilities below everything else: progress and the hang watchdog, host memory, durable file I/O, HTTP calls, the program sandbox, the pool of killable worker subprocesses (reward scoring, tool calls)."""
