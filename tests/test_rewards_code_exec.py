@@ -135,3 +135,51 @@ def test_sandbox_fusion_unreachable_raises_not_zero():
     cfg = SandboxConfig(**{**CFG.__dict__, "url": "http://127.0.0.1:9/run_code", "num_retries": 2})
     with pytest.raises(RuntimeError, match="SandboxFusion server .* failed after 2 attempt"):
         compute_score("print(1)", {"inputs": [""], "outputs": ["1"]}, cfg)
+
+
+def _run(code: str, x: int):
+    """f(x) of a one-line program, run in this process (the reference the sandbox scores are checked against)."""
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - the programs are the task's own, written by code_tasks.program
+    return scope["f"](x)
+
+
+def test_code_tasks_reward_the_right_program_only():
+    # Every program "x<op>c" with a constant from 1 to 11 (the warm-up's range) passes no call unless it is
+    # the answer: a partial score for a wrong operator would be a shortcut for the policy.
+    from tinyzero.data.preprocess.code_tasks import OPS, TEST_INPUTS, ground_truth, problems, program
+
+    for op, k in problems():
+        tests = json.loads(ground_truth(op, k))
+        for other in OPS:
+            for c in range(1, 12):
+                passed = sum(_run(program(other, c), x) == y for (x,), y in zip(tests["inputs"], tests["outputs"]))
+                assert passed == (len(TEST_INPUTS) if (other, c) == (op, k) else 0), (op, k, other, c)
+    for op, k in (("add", 3), ("sub", 9), ("mul", 4)):
+        assert compute_score(program(op, k), ground_truth(op, k), CFG)["score"] == 1.0
+        assert compute_score(program(op, k + 1), ground_truth(op, k), CFG)["score"] == 0.0
+
+
+def test_code_tasks_warm_up_teaches_the_format_not_the_answer(tmp_path):
+    import re
+
+    import pyarrow.parquet as pq
+
+    from tinyzero.data.preprocess.code_tasks import CONSTANTS, OPS, SFT_RANDOM_FRACTION, build_data, problems
+
+    build_data(str(tmp_path), seed=0)
+    test = pq.read_table(tmp_path / "test.parquet").to_pylist()
+    assert sorted(r["prompt"][0]["content"] for r in test) == sorted(f"{op} {k}:" for op, k in problems())
+    sft = pq.read_table(tmp_path / "sft.parquet").to_pylist()
+    right = 0
+    for row in sft:
+        op, k = re.fullmatch(r"(\w+) (\d+):", row["prompt"][0]["content"]).groups()
+        sym, c = re.fullmatch(r"def f\(x\):return x([-+*])(\d+)", row["response"]).groups()
+        k, c = int(k), int(c)
+        assert sym == OPS[op] and (c in (k + 1, k + 2) or c in CONSTANTS), row
+        right += c == k
+    # The answer appears only through the random draws: SFT_RANDOM_FRACTION / 9 of the rows (24 of 432
+    # expected, standard deviation 4.8); 0.1 is 9 standard deviations above.
+    assert len(sft) == 16 * len(problems())
+    assert right / len(sft) < 0.1
+    assert right / len(sft) == pytest.approx(SFT_RANDOM_FRACTION / len(CONSTANTS), abs=0.04)
