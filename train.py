@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
             cfg = parse_args(argv)  # tyro reports bad flags itself and exits (SystemExit)
-            resolve_collective_timeout_s(cfg.trainer.collective_timeout_s)  # TINYZERO_COLLECTIVE_TIMEOUT_S
+            resolve_collective_timeout_s(cfg.reliability.collective_timeout_s)  # TINYZERO_COLLECTIVE_TIMEOUT_S
     except (ValueError, SystemExit) as e:
         if isinstance(e, SystemExit) and e.code in (0, None):  # --help
             raise
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     # Raised in a worker, these reach the other ranks as one line too (single_controller.failure).
     report_as_user_errors(RunFolderBusy, CheckpointSpaceError, Preempted, NonFiniteError)
     try:
-        init_distributed(cfg.trainer.collective_timeout_s)
-        start_watchdog(cfg.trainer.hang_timeout_s)
+        init_distributed(cfg.reliability.collective_timeout_s)
+        start_watchdog(cfg.reliability.hang_timeout_s)
         set_seed(cfg.trainer.seed)
         with hold_run_folder(cfg.trainer.default_local_dir):  # before anything in the folder is written
-            if cfg.trainer.save_on_signal:  # every trainer's loop (trainer/loop.py) checks at each step's end
-                install_stop_handlers(cfg.trainer.signal_grace_s)
+            if cfg.reliability.save_on_signal:  # every trainer's loop (trainer/loop.py) checks at each step's end
+                install_stop_handlers(cfg.reliability.signal_grace_s)
             run(cfg)
         return 0
     except ConfigError as e:

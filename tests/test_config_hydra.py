@@ -81,7 +81,7 @@ def test_flags_and_overrides_mix_and_the_later_wins():
     (["trainer.total_epochs=abc"], r"trainer\.total_epochs must be int, got str 'abc'"),
     (["trainer.device=tpu"], r"trainer\.device='tpu' is not valid.*choose one of \['auto', 'cpu', 'cuda'\]"),
     (["reward.timeout_s=nan"], r"reward\.timeout_s must be a finite number"),
-    (["--trainer.collective_timeout_s", "inf"], r"trainer\.collective_timeout_s must be a finite number"),
+    (["--reliability.collective_timeout_s", "inf"], r"reliability\.collective_timeout_s must be a finite number"),
     (["stray"], r"unexpected argument 'stray'"),
     (["--trainer.seed"], r"--trainer\.seed needs a value"),
 ])

@@ -43,7 +43,7 @@ def test_config_reference_lists_every_field_with_its_docstring():
     assert set(rows) == set(flag_names())
     assert all(doc.strip() for doc in rows.values()), [k for k, doc in rows.items() if not doc.strip()]
     # a Literal's choices are listed
-    assert '`"stop" \\| "skip"`' in text.split("`trainer.nonfinite`")[1].split("\n")[0]
+    assert '`"stop" \\| "skip"`' in text.split("`reliability.nonfinite`")[1].split("\n")[0]
 
 
 def _markdown_files() -> list[pathlib.Path]:

@@ -83,7 +83,7 @@ def test_nan_reward_stops_at_scoring_then_on_error_zero_finishes(setup, tiny_mod
                    for p in ckpts.iterdir() if (p / "COMPLETE.json").exists())
     assert [r["step"] for r in read_metrics(str(setup / "nan"))] == [1, 2]
     # The same command with reward.on_error=zero resumes from the intact checkpoint, scoring NaN as 0.
-    out = launch(setup, "nan", "--reward.on_error=zero", "--trainer.allow_config_change=reward.on_error", fault="nan",
+    out = launch(setup, "nan", "--reward.on_error=zero", "--reliability.allow_config_change=reward.on_error", fault="nan",
                  model=tiny_model_dir)
     _ok(out)
     rows = read_metrics(str(setup / "nan"))
@@ -100,7 +100,7 @@ def test_nonfinite_loss_stops_saying_no_checkpoint_exists_then_skip_mode_finishe
     assert "No checkpoint has been saved in" in out.stderr and "is intact" not in out.stderr, out.stderr[-4000:]
     assert "Traceback" not in out.stderr.split("stopped:")[0][-2000:]
     assert not os.path.exists(setup / "blowup" / "metrics.jsonl") or read_metrics(str(setup / "blowup")) == []
-    out = launch(setup, "blowup", *blow_up, "--trainer.nonfinite=skip", model=tiny_model_dir)
+    out = launch(setup, "blowup", *blow_up, "--reliability.nonfinite=skip", model=tiny_model_dir)
     _ok(out)
     rows = read_metrics(str(setup / "blowup"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

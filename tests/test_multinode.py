@@ -36,7 +36,7 @@ from tinyzero.trainer.loggers import read_metrics
 
 STEPS, SAVE_FREQ, COLLECTIVE_TIMEOUT_S = 4, 2, 60
 # The surviving node must be gone within this long after the kill (its ranks fail on the broken
-# connection at once, or at the latest after trainer.collective_timeout_s).
+# connection at once, or at the latest after reliability.collective_timeout_s).
 EXIT_BOUND_S = COLLECTIVE_TIMEOUT_S + 30
 RUN_TIMEOUT_S = 300
 
@@ -153,7 +153,7 @@ class Nodes:
                 f"--reward.custom_fn={root}/reward.py:score", "--reward.timeout_s=0", "--data.train_batch_size=8",
                 "--actor_rollout_ref.rollout.n=2", "--actor_rollout_ref.actor.ppo_mini_batch_size=4",
                 "--actor_rollout_ref.actor.fsdp_config.fsdp_size=2", f"--trainer.total_training_steps={STEPS}",
-                f"--trainer.save_freq={SAVE_FREQ}", f"--trainer.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+                f"--trainer.save_freq={SAVE_FREQ}", f"--reliability.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
                 "--trainer.val_before_train=false", "--trainer.plot=false", "--trainer.progress_bar=false",
                 "--trainer.export_hf=false"]
         rdzv = ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",

@@ -25,7 +25,7 @@ def _never_joined(timeout_s: float) -> dict:
     from tinyzero.single_controller import ResourcePool
     from tinyzero.single_controller.failure import _exit_message, abort_rank, record_abort
 
-    init_distributed(timeout_s)  # as train.py passes trainer.collective_timeout_s
+    init_distributed(timeout_s)  # as train.py passes reliability.collective_timeout_s
     pool = ResourcePool()  # its control group is a new gloo group
     out = {"resolved": collective_timeout_s()}
     if get_rank() == 1:
@@ -73,22 +73,23 @@ def test_environment_overrides_the_configured_timeout(monkeypatch):
         resolve_collective_timeout_s(120.0)
 
 
-def test_trainer_timeouts_are_validated():
-    from tinyzero.config import ConfigError, TrainerConfig
+def test_timeouts_are_validated():
+    from tinyzero.config import ConfigError, ReliabilityConfig
 
-    assert TrainerConfig().hang_timeout_s == 300.0 and TrainerConfig().collective_timeout_s == 1800.0
-    TrainerConfig(hang_timeout_s=0)  # 0 disables the watchdog
-    with pytest.raises(ConfigError, match="trainer.hang_timeout_s must be >= 0"):
-        TrainerConfig(hang_timeout_s=-1)
-    with pytest.raises(ConfigError, match="trainer.collective_timeout_s must be > 0"):
-        TrainerConfig(collective_timeout_s=0)
+    assert ReliabilityConfig().hang_timeout_s == 300.0 and ReliabilityConfig().collective_timeout_s == 1800.0
+    ReliabilityConfig(hang_timeout_s=0)  # 0 disables the watchdog
+    with pytest.raises(ConfigError, match="reliability.hang_timeout_s must be >= 0"):
+        ReliabilityConfig(hang_timeout_s=-1)
+    with pytest.raises(ConfigError, match="reliability.collective_timeout_s must be > 0"):
+        ReliabilityConfig(collective_timeout_s=0)
 
 
 def _fake_trainer(root: str, nonfinite: str = "stop"):
     from tinyzero.trainer.checkpoint import CheckpointManager
 
     printed = []
-    trainer = SimpleNamespace(config=SimpleNamespace(trainer=SimpleNamespace(nonfinite=nonfinite, save_freq=5)),
+    trainer = SimpleNamespace(config=SimpleNamespace(trainer=SimpleNamespace(save_freq=5),
+                                                     reliability=SimpleNamespace(nonfinite=nonfinite)),
                               global_step=7, ckpt=CheckpointManager(root), tracker=SimpleNamespace(print=printed.append))
     return trainer, printed
 

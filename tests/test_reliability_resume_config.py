@@ -13,9 +13,10 @@ from tinyzero.config.parse import to_dict
 from tinyzero.trainer.run_config import changed_fields, write_config
 
 
-def _cfg(**trainer) -> Config:
+def _cfg(allow_config_change: str = "", **trainer) -> Config:
     cfg = Config()
     cfg.trainer = dataclasses.replace(cfg.trainer, **trainer)
+    cfg.reliability.allow_config_change = allow_config_change
     return cfg
 
 
@@ -37,11 +38,11 @@ def test_math_changes_are_refused_with_old_and_new_values(tmp_path):
                             ("data.train_batch_size", default.data.train_batch_size, cfg.data.train_batch_size),
                             ("actor_rollout_ref.model.path", default.actor_rollout_ref.model.path, "/models/other")):
         assert f"{field}: {old!r} -> {new!r}" in msg, msg
-    assert "--trainer.allow_config_change" in msg
+    assert "--reliability.allow_config_change" in msg
     assert saved.read_text() == original, "a refused resume must not overwrite config.yaml"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]
     # Naming every field (or "all") accepts them; the earlier config is kept as config.1.yaml.
-    cfg.trainer.allow_config_change = ("trainer.seed,actor_rollout_ref.actor.optim.lr,data.train_batch_size,"
+    cfg.reliability.allow_config_change = ("trainer.seed,actor_rollout_ref.actor.optim.lr,data.train_batch_size,"
                                        "actor_rollout_ref.model.path")
     write_config(cfg, run, saved_path=str(saved))
     assert (tmp_path / "run" / "config.1.yaml").read_text() == original

@@ -36,7 +36,7 @@ def test_sigterm_saves_then_resume_matches_uninterrupted(demo_data, tiny_model_d
     full = subprocess.run(train_cmd(demo_data, tiny_model_dir, str(tmp_path / "full"), STEPS), env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-4000:]
-    cmd = train_cmd(demo_data, tiny_model_dir, str(tmp_path / "cut"), STEPS, f"--trainer.signal_grace_s={GRACE_S}")
+    cmd = train_cmd(demo_data, tiny_model_dir, str(tmp_path / "cut"), STEPS, f"--reliability.signal_grace_s={GRACE_S}")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "cut" / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -52,7 +52,7 @@ def test_sigterm_saves_then_resume_matches_uninterrupted(demo_data, tiny_model_d
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0, "a run stopped by SIGTERM must not exit 0\n" + err[-4000:]
     assert err.count("stopped by SIGTERM after step") == 1, err[-4000:]
-    assert elapsed < GRACE_S, f"took {elapsed:.1f} s from SIGTERM to exit (trainer.signal_grace_s={GRACE_S})"
+    assert elapsed < GRACE_S, f"took {elapsed:.1f} s from SIGTERM to exit (reliability.signal_grace_s={GRACE_S})"
     saved = sorted(os.listdir(tmp_path / "cut" / "checkpoints"))
     steps = [int(n.rsplit("_", 1)[1]) for n in saved if n.startswith("global_step_")]
     assert len(steps) == 1 and 2 <= steps[0] < STEPS, saved  # save_freq=-1: only the signal saved

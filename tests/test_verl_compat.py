@@ -70,7 +70,7 @@ def test_tinyzero_keys_pass_through_unchanged():
      [("actor_rollout_ref.actor.optim.warmup_style", "cosine")]),
     ("actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16", [("actor_rollout_ref.model.dtype", "bf16")]),
     ("actor_rollout_ref.actor.data_loader_seed", 42, [("actor_rollout_ref.actor.seed", 42)]),
-    ("actor_rollout_ref.nccl_timeout", 600, [("trainer.collective_timeout_s", 600.0)]),
+    ("actor_rollout_ref.nccl_timeout", 600, [("reliability.collective_timeout_s", 600.0)]),
     ("actor_rollout_ref.rollout.name", "hf", [("actor_rollout_ref.rollout.name", "native")]),
     ("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", 64,
      [("actor_rollout_ref.rollout.weight_sync_bucket_mb", 64)]),

@@ -1,4 +1,4 @@
-"""The hang watchdog ends a stuck 2-rank training job within trainer.hang_timeout_s + 30 s, naming the rank.
+"""The hang watchdog ends a stuck 2-rank training job within reliability.hang_timeout_s + 30 s, naming the rank.
 
 Each test launches `torchrun --nproc_per_node 2` on this file, which installs a fault on rank 1
 (test code only, by patching a function before train.py runs) and then runs train.py exactly as a
@@ -81,7 +81,7 @@ def _launch(root, mode: str, model: str):
            "--data.val_files", f"--actor_rollout_ref.model.path={model}", f"--trainer.default_local_dir={run_dir}",
            "--data.train_batch_size=8", "--actor_rollout_ref.rollout.n=2", "--actor_rollout_ref.actor.ppo_mini_batch_size=8",
            "--trainer.total_training_steps=1", "--trainer.val_before_train=false", "--trainer.plot=false",
-           "--trainer.progress_bar=false", "--trainer.export_hf=false", f"--trainer.hang_timeout_s={HANG_S}"]
+           "--trainer.progress_bar=false", "--trainer.export_hf=false", f"--reliability.hang_timeout_s={HANG_S}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

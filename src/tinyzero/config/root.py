@@ -16,6 +16,7 @@ from typing import Literal
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.algorithms.distill import DistillConfig
+from tinyzero.config.reliability import ReliabilityConfig
 from tinyzero.config.tuning import TuningConfig
 from tinyzero.data.config import DataConfig
 from tinyzero.rewards.config import CustomRewardFunctionConfig, RewardConfig
@@ -115,9 +116,6 @@ class TrainerConfig:
     """Keep only this many latest checkpoints (None: keep all)."""
     export_hf: bool = True
     """Write the final actor (or the SFT/RM model) as an HF model folder to RUN/hf_model."""
-    nonfinite: Literal["stop", "skip"] = "stop"
-    """On a non-finite loss or gradient norm: "stop" raises (the last checkpoint stays intact), "skip"
-    drops the batch's update and continues."""
     log_samples: int = 4
     """(prompt, response, score) rows written to samples.jsonl per step (0: none)."""
     log_val_generations: int = 4
@@ -132,27 +130,6 @@ class TrainerConfig:
     """Show a progress bar with ETA on rank 0 (console logger)."""
     plot: bool = True
     """Draw the curves (PNG) into the run folder at the end (needs matplotlib)."""
-    collective_timeout_s: float = 1800.0
-    """Timeout of every collective (the world group and every pool's groups): a rank that stops
-    taking part makes its peers fail after this long. TINYZERO_COLLECTIVE_TIMEOUT_S overrides it."""
-    hang_timeout_s: float = 300.0
-    """Progress watchdog: when a rank reports no progress (a step phase, a micro-batch, generated
-    tokens, scored samples) for this long while its main thread sits still outside a collective, or
-    stops answering (SIGSTOP), every rank dumps its Python stacks and the job ends naming the stuck
-    rank, its phase and its last progress. Start-up (model loading) is not watched. 0 disables it
-    (e.g. under a debugger)."""
-    save_on_signal: bool = True
-    """On SIGTERM / SIGINT (Slurm and Kubernetes send SIGTERM before killing): finish the current step,
-    save a checkpoint on every rank, and exit non-zero saying so. A second signal stops at once.
-    Every trainer mode (ppo, sft, rm, dpo): they share one loop."""
-    signal_grace_s: float = 25.0
-    """After a SIGTERM / SIGINT, the most seconds to wait for the end of the step and its save; past it
-    the job exits without saving (the last checkpoint stays intact). Keep it below the scheduler's
-    kill delay (torchrun and Kubernetes: 30 s; Slurm: --signal=TERM@SECONDS)."""
-    allow_config_change: str = ""
-    """Resuming with changes to settings that alter the training (batch sizes, learning rates, seeds,
-    model path, ...) is refused; list the fields to accept anyway, comma-separated
-    ("data.train_batch_size,actor_rollout_ref.actor.optim.lr"), or "all"."""
 
     def __post_init__(self):
         known = ("console", "jsonl", "tensorboard", "wandb")
@@ -182,17 +159,6 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name} must be >= 1 or None (got {getattr(self, name)})")
         if self.critic_warmup < 0:
             raise ConfigError(f"trainer.critic_warmup must be >= 0 (got {self.critic_warmup})")
-        if not self.collective_timeout_s > 0:
-            raise ConfigError(f"trainer.collective_timeout_s must be > 0 seconds (got {self.collective_timeout_s})")
-        if not self.hang_timeout_s >= 0:
-            raise ConfigError(f"trainer.hang_timeout_s must be >= 0 seconds, 0 to disable the watchdog "
-                              f"(got {self.hang_timeout_s})")
-        if not self.signal_grace_s > 0:
-            raise ConfigError(f"trainer.signal_grace_s must be > 0 seconds (got {self.signal_grace_s}); turn "
-                              "saving on signals off with trainer.save_on_signal=false instead")
-        if not isinstance(self.allow_config_change, str):
-            raise ConfigError("trainer.allow_config_change must be a comma-separated string of field names or "
-                              f"'all' (got {self.allow_config_change!r})")
 
 
 @dataclass
@@ -233,6 +199,8 @@ class Config:
     """Advantage estimator and KL control."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The run: length, logging, checkpoints, placement."""
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    """Timeouts, the hang watchdog, saving on signals, non-finite steps, resuming with a changed config."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """DPO loss settings (trainer.mode="dpo")."""
     distill: DistillConfig = field(default_factory=DistillConfig)

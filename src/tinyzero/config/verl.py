@@ -124,7 +124,7 @@ def _load_contents(section: str):
 
 
 def _nccl_timeout(value):
-    return [("trainer.collective_timeout_s", float(value))]
+    return [("reliability.collective_timeout_s", float(value))]
 
 
 def _reward_manager(value):
@@ -160,7 +160,7 @@ KEYS: dict[str, Rule] = {
     "trainer.del_local_ckpt_after_load": _refuse("tinyzero keeps the checkpoint it resumed from",
                                                  "trainer.del_local_ckpt_after_load=false", False),
     "trainer.esi_redundant_time": _ignore("an elastic-server-instance (ESI) deadline; tinyzero saves on SIGTERM "
-                                          "instead (trainer.save_on_signal)"),
+                                          "instead (reliability.save_on_signal)"),
     "trainer.use_legacy_worker_impl": _ignore("picks between veRL's worker implementations; tinyzero has one"),
     "trainer.max_actor_ckpt_to_keep": _rename("trainer.max_ckpt_to_keep",
                                               "actor and critic are saved in one step folder, kept together"),

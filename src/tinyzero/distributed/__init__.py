@@ -83,7 +83,7 @@ def resolve_collective_timeout_s(timeout_s: float | None = None) -> float:
 def collective_timeout_s() -> float:
     """The timeout of every process group of the job (the world group and every pool's groups).
 
-    The value init_distributed() resolved (trainer.collective_timeout_s, or the environment
+    The value init_distributed() resolved (reliability.collective_timeout_s, or the environment
     variable TINYZERO_COLLECTIVE_TIMEOUT_S, which overrides it); before that, the same resolution.
     """
     return _collective_timeout_s if _collective_timeout_s is not None else resolve_collective_timeout_s()
@@ -101,7 +101,7 @@ def check_one_gpu_per_rank(local_world_size: int, visible_gpus: int) -> None:
 def init_distributed(timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment, or as a group of one.
 
-    `timeout_s` (train.py passes trainer.collective_timeout_s; the environment variable
+    `timeout_s` (train.py passes reliability.collective_timeout_s; the environment variable
     TINYZERO_COLLECTIVE_TIMEOUT_S overrides it; default 1800 s) bounds every collective of the
     world group and of the groups made later (resource pools, mesh axes): a rank that stops
     participating makes the others fail after this long instead of hanging forever.

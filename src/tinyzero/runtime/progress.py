@@ -5,7 +5,7 @@ phase, the update loop per micro-batch, the native generator per decoded token, 
 per scored sample. A report only stores a tuple (no I/O, about a microsecond), so it may sit in
 inner loops. This module imports nothing of tinyzero, so any layer may call it.
 
-`start_watchdog(hang_timeout_s)` (train.py passes trainer.hang_timeout_s) starts a daemon
+`start_watchdog(hang_timeout_s)` (train.py passes reliability.hang_timeout_s) starts a daemon
 thread per rank. Every hang_timeout_s / 5 seconds (at most 5 s) it publishes the rank's
 heartbeat in the job's TCPStore, over a connection of its own (a main thread blocked in a
 collective or a store wait cannot block it): seconds since the last report, the report, where
@@ -198,11 +198,11 @@ class _Watchdog:
         others = [f"rank {r}: {_state(st)} at {st['where']}, last "
                   f"progress {_describe(st['phase'], st['detail'])} {st['age']:.1f} s ago"
                   for r, st in sorted(live.items()) if r not in named]
-        head = f"[tinyzero] hang: no progress within trainer.hang_timeout_s={self.bound_s:g} s on rank(s) " + \
+        head = f"[tinyzero] hang: no progress within reliability.hang_timeout_s={self.bound_s:g} s on rank(s) " + \
             ", ".join(str(r) for r in sorted(named))
         body = "\n  ".join(lines + (["the other ranks:", *others] if others else []))
         return (f"{head}\n  {body}\n  The Python stacks of every live rank are above. If this phase is legitimately "
-                "this slow, raise --trainer.hang_timeout_s (0 disables the watchdog).")
+                "this slow, raise --reliability.hang_timeout_s (0 disables the watchdog).")
 
     # ------------------------------------------------------------------ the end
     def _run(self) -> None:
@@ -241,7 +241,7 @@ class _Watchdog:
 
     def _end(self, verdict: str, reporter: bool, statuses: dict) -> None:
         sys.stdout.flush()
-        sys.stderr.write(f"[tinyzero] rank {self.rank}: Python stacks at the hang (trainer.hang_timeout_s):\n")
+        sys.stderr.write(f"[tinyzero] rank {self.rank}: Python stacks at the hang (reliability.hang_timeout_s):\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()

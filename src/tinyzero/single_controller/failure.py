@@ -13,7 +13,7 @@ Three mechanisms, from cheapest to last resort:
    traceback and exits after a grace period (TINYZERO_ABORT_GRACE_S, default 10 s), so no
    rank is left hanging.
 
-Collective timeouts come from trainer.collective_timeout_s as init_distributed() resolved it
+Collective timeouts come from reliability.collective_timeout_s as init_distributed() resolved it
 (TINYZERO_COLLECTIVE_TIMEOUT_S overrides it; default 1800 s) unless a ResourcePool is given its
 own `timeout_s`. The first failure records its rank, so every message names the rank that
 failed first. A rank whose collective timed out did not fail itself (a peer never arrived), so
@@ -102,7 +102,7 @@ def is_collective_timeout(exc: BaseException) -> bool:
 def timeout_report(exc: BaseException, rank: int, world_size: int) -> str:
     """One line for a collective that timed out on this rank: the peer that did not arrive caused it,
     not this rank. With two ranks that peer is known; with more, which one is not (the hang watchdog,
-    trainer.hang_timeout_s > 0, names it before the timeout would)."""
+    reliability.hang_timeout_s > 0, names it before the timeout would)."""
     others = [r for r in range(world_size) if r != rank]
     who = f"rank {others[0]}" if len(others) == 1 else f"another rank (one of ranks {others}; which one is unknown)"
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}tinyzero{os.sep}" in f.filename]
@@ -111,8 +111,8 @@ def timeout_report(exc: BaseException, rank: int, world_size: int) -> str:
         path = frames[-1].filename.split(f"{os.sep}tinyzero{os.sep}")[-1]
         where = f" in {path}:{frames[-1].lineno} ({frames[-1].name})"
     return (f"[rank {rank}] stopped: a collective{where} timed out after {collective_timeout_s():.0f} s waiting "
-            f"for {who}, which did not arrive; this rank did not fail. Set trainer.hang_timeout_s > 0 (the hang "
-            "watchdog names a stuck rank and prints its stack), or raise trainer.collective_timeout_s / "
+            f"for {who}, which did not arrive; this rank did not fail. Set reliability.hang_timeout_s > 0 (the hang "
+            "watchdog names a stuck rank and prints its stack), or raise reliability.collective_timeout_s / "
             "TINYZERO_COLLECTIVE_TIMEOUT_S if a step takes longer than that")
 
 
@@ -246,7 +246,7 @@ def wait_for_key(key: str, timeout_s: float, what: str) -> bytes:
         now = time.monotonic()
         if now >= deadline:
             raise TimeoutError(f"rank {dist.get_rank()}: no answer for {what} after {timeout_s:.0f} s "
-                               "(trainer.collective_timeout_s / TINYZERO_COLLECTIVE_TIMEOUT_S); a rank "
+                               "(reliability.collective_timeout_s / TINYZERO_COLLECTIVE_TIMEOUT_S); a rank "
                                "stopped participating")
         if now - last_abort_check > 0.5:
             last_abort_check = now

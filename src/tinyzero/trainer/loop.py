@@ -147,10 +147,10 @@ class Driver:
         if not bad:
             return
         msg = (f"step {self.global_step}: non-finite {', '.join(bad)}; the optimizer step was not applied")
-        if self.config.trainer.nonfinite == "stop":
+        if self.config.reliability.nonfinite == "stop":
             raise NonFiniteError(f"{msg}. {self._checkpoint_situation()}; lower the learning rate, check the "
-                                 "data, or set --trainer.nonfinite skip to drop such batches")
-        self.tracker.print(f"[tinyzero] warning: {msg}; skipping the batch (trainer.nonfinite=skip)")
+                                 "data, or set --reliability.nonfinite skip to drop such batches")
+        self.tracker.print(f"[tinyzero] warning: {msg}; skipping the batch (reliability.nonfinite=skip)")
 
     def _checkpoint_situation(self) -> str:
         """Which sealed checkpoint a restart would resume from (none yet is said plainly)."""
@@ -169,7 +169,7 @@ class Driver:
         return False
 
     def stop_if_signalled(self, saved: bool) -> None:
-        """After SIGTERM/SIGINT on any rank (trainer.save_on_signal): save this step unless done, then stop."""
+        """After SIGTERM/SIGINT on any rank (reliability.save_on_signal): save this step unless done, then stop."""
         signame = stop_requested()
         if signame is not None and self.global_step < self.total_steps:
             if not saved:

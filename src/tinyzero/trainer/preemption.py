@@ -1,6 +1,6 @@
 """Save on SIGTERM / SIGINT: Slurm and Kubernetes send SIGTERM some seconds before they kill a job.
 
-    install_stop_handlers(grace_s=25.0)       # train.py, every rank (trainer.save_on_signal)
+    install_stop_handlers(grace_s=25.0)       # train.py, every rank (reliability.save_on_signal)
     ...
     signame = stop_requested()                # the trainer, at the end of every step (collective)
     if signame: save a checkpoint, then raise Preempted(...)
@@ -90,9 +90,9 @@ def _on_signal(signum, frame) -> None:
 
 
 def _out_of_grace(signum: int, rank: int) -> None:
-    print(f"[rank {rank}] stopped by {signal.Signals(signum).name}: no safe point within trainer.signal_grace_s="
+    print(f"[rank {rank}] stopped by {signal.Signals(signum).name}: no safe point within reliability.signal_grace_s="
           f"{_State.grace_s:g} s, so nothing was saved; the last checkpoint is intact (raise "
-          f"trainer.signal_grace_s and the scheduler's kill delay to save on signals)", file=sys.stderr, flush=True)
+          f"reliability.signal_grace_s and the scheduler's kill delay to save on signals)", file=sys.stderr, flush=True)
     os._exit(128 + signum)
 
 

@@ -1,13 +1,13 @@
 """The run folder's config.yaml: refuse a resume whose config changes the training, keep the history.
 
     write_config(cfg, run_dir, saved_path)   # rank 0; raises ConfigError naming the changed fields
-                                             # (or a name in trainer.allow_config_change that is no field)
+                                             # (or a name in reliability.allow_config_change that is no field)
 
 Resuming with another batch size, learning rate, seed or model gives a run that is neither the
 old one nor a new one, so a resume compares the new config with the saved one and refuses
 changes to anything but the settings in SAFE_TO_CHANGE / SAFE_SUFFIXES (logging, validation, run
 length, checkpoint cadence, timeouts, micro-batching, memory and offload settings) unless
-`trainer.allow_config_change` names them (or says "all"). An earlier config.yaml that differs is kept as config.<N>.yaml (N counting up); config.yaml is
+`reliability.allow_config_change` names them (or says "all"). An earlier config.yaml that differs is kept as config.<N>.yaml (N counting up); config.yaml is
 always the latest.
 """
 
@@ -30,14 +30,13 @@ _NUMBERED_RE = re.compile(r"^config\.(\d+)\.yaml$")
 SAFE_TO_CHANGE = {f"trainer.{name}" for name in (
     "project_name", "experiment_name", "logger", "default_local_dir", "total_epochs", "total_training_steps",
     "test_freq", "val_before_train", "val_only", "save_freq", "resume_mode", "resume_from_path", "max_ckpt_to_keep",
-    "export_hf", "nonfinite", "log_samples", "log_val_generations", "progress_bar", "plot", "collective_timeout_s",
-    "hang_timeout_s", "save_on_signal", "signal_grace_s", "allow_config_change")} | {
+    "export_hf", "log_samples", "log_val_generations", "progress_bar", "plot")} | {
     "data.val_files", "data.val_batch_size",
 }
 # Any field under these prefixes, or ending in these names: the schedule length follows the run length;
 # micro-batching is exact under any split (workers/scaling.py); memory, offload, sharding and kernel
 # choices, worker counts and time limits change how the same math runs, not the math.
-SAFE_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "tuning.")
+SAFE_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "tuning.", "reliability.")
 SAFE_SUFFIXES = (
     ".optim.total_training_steps", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
     ".enable_gradient_checkpointing", ".gradient_checkpointing_every_n_layers", ".attn_implementation", ".gpu_memory_utilization", ".cpu_kv_cache_mb",
@@ -66,14 +65,14 @@ def changed_fields(old: dict, new: dict) -> dict[str, tuple]:
 
 
 def allowed_changes(cfg) -> set[str]:
-    """The names in trainer.allow_config_change: "all" or fields of the config; anything else (a typo, a
+    """The names in reliability.allow_config_change: "all" or fields of the config; anything else (a typo, a
     mode that does not exist) is a ConfigError naming the valid forms."""
-    allowed = {x.strip() for x in cfg.trainer.allow_config_change.split(",") if x.strip()}
+    allowed = {x.strip() for x in cfg.reliability.allow_config_change.split(",") if x.strip()}
     fields = _flatten(to_dict(cfg))
     for name in sorted(allowed - {"all"} - fields.keys()):
         close = difflib.get_close_matches(name, list(fields) + ["all"], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"trainer.allow_config_change: {name!r} is neither a config field nor 'all'{hint}; give "
+        raise ConfigError(f"reliability.allow_config_change: {name!r} is neither a config field nor 'all'{hint}; give "
                           "'all' (accept every change) or the changed fields, comma-separated, as the refusal "
                           "names them (e.g. data.train_batch_size,actor_rollout_ref.actor.optim.lr)")
     return allowed
@@ -97,7 +96,7 @@ def check_resume_config(saved_path: str, cfg) -> None:
         listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(refused.items()))
         raise ConfigError(f"resuming the run in {os.path.dirname(saved_path)} with changed settings that alter the "
                           f"training: {listing}. Start a new run folder (--trainer.default_local_dir), or accept them "
-                          f"with --trainer.allow_config_change {','.join(sorted(refused))}")
+                          f"with --reliability.allow_config_change {','.join(sorted(refused))}")
 
 
 def write_config(cfg, run_dir: str, saved_path: str | None) -> None:
