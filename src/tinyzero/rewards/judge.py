@@ -4,9 +4,13 @@ reply is parsed into a score in [0, 1] (see docs/judge.md).
     judge = Judge(JudgeConfig(enable=True, url="http://judge:8000"))
     results = judge.score(prompts, responses, references)   # one RewardManager result dict per sample
 
-Two backends behind one `JudgeBackend` protocol (`generate(conversations) -> replies`):
-  HFJudgeBackend      a frozen HF causal LM on this rank: chat template applied by its tokenizer, left
-                      padding, greedy decoding, reward.judge.batch_size samples per generate call.
+Backends behind one `JudgeBackend` protocol (`generate(conversations) -> replies`):
+  EngineJudgeBackend  a frozen model on tinyzero's native or vLLM rollout engine on this rank
+                      (reward.judge.engine=native, the default, or vllm; tinyzero.rewards.judge_engine),
+                      prompts and replies as HFJudgeBackend's.
+  HFJudgeBackend      a frozen HF causal LM on this rank (reward.judge.engine=hf): chat template applied by
+                      its tokenizer, left padding, greedy decoding, reward.judge.batch_size samples per
+                      generate call.
   RemoteJudgeBackend  an OpenAI-compatible server (/v1/chat/completions or /v1/completions) through the
                       remote rollout's HTTP client (tinyzero.runtime.http): temperature 0,
                       reward.judge.concurrency requests in flight, reward.judge.timeout_s per request,
@@ -27,7 +31,8 @@ from tinyzero.rewards.judge_config import JudgeConfig
 from tinyzero.rewards.judge_prompts import JudgeParseError, get_judge_parser, get_judge_template
 from tinyzero.runtime.http import RemoteRolloutError, Transient, http_json
 
-__all__ = ["HFJudgeBackend", "Judge", "JudgeBackend", "JudgeError", "RemoteJudgeBackend", "reference_text"]
+__all__ = ["HFJudgeBackend", "Judge", "JudgeBackend", "JudgeError", "RemoteJudgeBackend", "build_backend",
+           "reference_text"]
 
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 4.0
@@ -176,6 +181,18 @@ class RemoteJudgeBackend:
 
 
 # ---------------------------------------------------------------------------------------------- the judge
+def build_backend(config: JudgeConfig) -> JudgeBackend:
+    """The backend the settings name: the server at reward.judge.url, else reward.judge.model_path on
+    reward.judge.engine (HF generate, or a rollout engine: tinyzero.rewards.judge_engine)."""
+    if config.url:
+        return RemoteJudgeBackend(config)
+    if config.engine == "hf":
+        return HFJudgeBackend(config)
+    from tinyzero.rewards.judge_engine import EngineJudgeBackend
+
+    return EngineJudgeBackend(config)
+
+
 def reference_text(ground_truth) -> str | None:
     """A row's ground truth as the reference answer shown to the judge (None when it has none)."""
     if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
@@ -191,8 +208,7 @@ class Judge:
         self.config = config
         self.template = get_judge_template(config.template, pairwise=config.mode == "pairwise")
         self.parser = get_judge_parser(config.parser, pairwise=config.mode == "pairwise")
-        self.backend = backend if backend is not None else (
-            RemoteJudgeBackend(config) if config.url else HFJudgeBackend(config))
+        self.backend = backend if backend is not None else build_backend(config)
         self.name = self.backend.name
 
     def score(self, prompts: list[str], responses: list[str], ground_truths: list) -> list[dict]:

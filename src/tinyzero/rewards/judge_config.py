@@ -29,6 +29,10 @@ class JudgeConfig:
     model_path: str | None = None
     """In-process judge: a local HF causal LM folder, loaded frozen on every rank (greedy decoding)."""
 
+    engine: Literal["hf", "native", "vllm"] = "native"
+    """In-process judge: what generates its replies. native: tinyzero's own generator (runs wherever torch
+    runs); vllm: vLLM in-process (where it is installed; under torchrun); hf: HF `generate`."""
+
     url: str | None = None
     """Remote judge: the base URL of an OpenAI-compatible server (e.g. `vllm serve`), such as
     http://host:8000 (a trailing /v1 is accepted). Set this or model_path, not both."""
@@ -55,6 +59,15 @@ class JudgeConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """In-process judge: weight dtype; auto is bfloat16 on GPU and float32 on CPU."""
 
+    max_prompt_length: int = 4096
+    """In-process judge on the native or vllm engine: the longest judge prompt in tokens (the template with
+    the prompt, the response and the reference); a longer one gets no verdict (a reward fault,
+    reward.on_error). vLLM's max_model_len is this plus max_new_tokens."""
+
+    gpu_memory_utilization: float = 0.2
+    """In-process judge on the vllm engine, on GPU: the fraction of device memory its vLLM may take (weights
+    and KV cache); the actor, its rollout engine and training share the rest."""
+
     concurrency: int = 8
     """Remote judge: requests in flight at once per rank."""
 
@@ -69,11 +82,15 @@ class JudgeConfig:
         if isinstance(self.data_sources, str):
             self.data_sources = [self.data_sources]
         self.data_sources = [str(d) for d in self.data_sources]
-        for name in ("max_new_tokens", "batch_size", "concurrency", "retries"):
+        for name in ("max_new_tokens", "batch_size", "concurrency", "retries", "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"reward.judge.{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.judge.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.engine not in ("hf", "native", "vllm"):
+            raise ValueError(f"reward.judge.engine={self.engine!r} is not one of hf, native, vllm")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"reward.judge.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"reward.judge.url must be an http(s) URL such as http://host:8000, got {self.url!r}")
         if self.enable and (self.model_path is None) == (self.url is None):
