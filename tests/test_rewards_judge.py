@@ -126,22 +126,26 @@ class JudgeServer:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    time.sleep(0.05)  # let requests overlap, so concurrency is observable
-                    if server.hang_s:
-                        time.sleep(server.hang_s)
-                    if n <= server.fail_first:
-                        return self._reply(503, {"error": "warming up"})
-                    if body.get("model") != "judge-model" or body.get("temperature") != 0.0:
-                        return self._reply(400, {"error": f"bad request {body}"})
-                    if self.path == "/v1/chat/completions":
-                        text = server.rule(body["messages"][-1]["content"])
-                        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-                    else:
-                        choice = {"index": 0, "text": server.rule(body["prompt"])}
-                    self._reply(200, {"object": "chat.completion", "choices": [choice]})
-                finally:
+                    code, reply = self._answer(body, n)
+                finally:  # counted out before the reply goes: the client may send its next request at once
                     with server.lock:
                         server.in_flight -= 1
+                self._reply(code, reply)
+
+            def _answer(self, body: dict, n: int) -> tuple[int, dict]:
+                time.sleep(0.05)  # let requests overlap, so concurrency is observable
+                if server.hang_s:
+                    time.sleep(server.hang_s)
+                if n <= server.fail_first:
+                    return 503, {"error": "warming up"}
+                if body.get("model") != "judge-model" or body.get("temperature") != 0.0:
+                    return 400, {"error": f"bad request {body}"}
+                if self.path == "/v1/chat/completions":
+                    text = server.rule(body["messages"][-1]["content"])
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+                else:
+                    choice = {"index": 0, "text": server.rule(body["prompt"])}
+                return 200, {"object": "chat.completion", "choices": [choice]}
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
