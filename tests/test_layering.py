@@ -7,6 +7,10 @@ of one layer may import each other, but never in a circle: the package graph has
 test names one, with a file and line per arrow). KNOWN_UPWARD lists the arrows that still run up,
 each with its reason: the list may only shrink.
 
+Inside tinyzero.rollout, each engine is a folder (native/, vllm/, remote/): an engine imports the
+interface and the shared modules beside it, never another engine; only the registry (registry.py)
+imports the engines, and nothing else in rollout/ does.
+
     python tests/test_layering.py        # prints every upward arrow
 """
 
@@ -100,6 +104,40 @@ def package_cycle() -> list[tuple[str, str, str]]:
     return []
 
 
+ROLLOUT = SRC / "rollout"
+ROLLOUT_REGISTRY = "registry"  # the one module of tinyzero.rollout that imports the engines
+
+
+def rollout_engines() -> list[str]:
+    """The engine folders of tinyzero.rollout (its subpackages)."""
+    return sorted(p.parent.name for p in ROLLOUT.glob("*/__init__.py"))
+
+
+def rollout_engine_arrows() -> list[tuple[str, int, str]]:
+    """(file, line, imported module) for each import inside tinyzero.rollout that reaches into an engine
+    folder from elsewhere in rollout/ than the registry, or from one engine into another."""
+    engines = set(rollout_engines())
+    bad = []
+    for path in sorted(ROLLOUT.rglob("*.py")):
+        parts = path.relative_to(ROLLOUT).with_suffix("").parts
+        own = parts[0] if len(parts) > 1 else None  # the engine folder the file is in (None: rollout/ itself)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = name.split(".")
+                if target[:2] != ["tinyzero", "rollout"] or len(target) < 3 or target[2] not in engines:
+                    continue
+                if target[2] != own and not (own is None and parts[0] == ROLLOUT_REGISTRY):
+                    bad.append((path.relative_to(ROOT).as_posix(), node.lineno, name))
+                    break
+    return bad
+
+
 def test_every_package_has_a_layer():
     for path in SRC.iterdir():
         name = path.name.removesuffix(".py")
@@ -128,6 +166,15 @@ def test_every_top_level_package_is_checked():
     assert any(own == "configs" and other == "config" for _r, _l, _n, own, other in imports())
 
 
+def test_rollout_engines_import_no_other_engine():
+    """Each engine folder of tinyzero.rollout stands alone: it imports no other engine, and the interface and
+    the shared modules import none (the registry, which builds them, is the one exception)."""
+    assert {"native", "vllm", "remote"} <= set(rollout_engines())
+    bad = rollout_engine_arrows()
+    assert not bad, "imports of a rollout engine from outside it (move the shared piece up to rollout/):\n" + \
+        "\n".join(f"  {f}:{line}: {name}" for f, line, name in bad)
+
+
 def test_known_upward_arrows_still_exist():
     """An arrow that was removed must leave KNOWN_UPWARD too (the list only shrinks)."""
     for rel, name in KNOWN_UPWARD:
@@ -141,3 +188,5 @@ if __name__ == "__main__":
         print(f"{f}:{line}: {own} -> {name}")
     for a, b, where in package_cycle():
         print(f"circle: {a} -> {b} ({where})")
+    for f, line, name in rollout_engine_arrows():
+        print(f"{f}:{line}: imports the rollout engine {name}")

@@ -328,7 +328,7 @@ def test_native_unmerged_adapters_equal_merged_and_the_trainer(tiny_model_dir, t
 def _vllm_tiny_model(path: str) -> str:
     """The tiny model with head_dim 32 (vLLM's CPU kernels); skips where vLLM is unavailable."""
     from tinyzero.models.tiny import build_tiny_model
-    from tinyzero.rollout.vllm_backend import vllm_available
+    from tinyzero.rollout.vllm.backend import vllm_available
 
     reason = vllm_available()
     if reason is not None:

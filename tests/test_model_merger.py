@@ -412,7 +412,7 @@ def test_vllm_loads_the_merged_folder_with_the_same_greedy_output(tmp_path):
     The tiny model has head_dim 32, which vLLM's CPU attention supports."""
     from tests.dist_utils import run_distributed
     from tinyzero.models.tiny import build_tiny_model
-    from tinyzero.rollout.vllm_backend import vllm_available
+    from tinyzero.rollout.vllm.backend import vllm_available
 
     reason = vllm_available()
     if reason is not None:

@@ -106,7 +106,7 @@ def _vllm_log_probs(model_dir: str) -> dict:
 
 
 def test_vllm_rollout_log_probs_match_trainer(smollm2_path):
-    from tinyzero.rollout.vllm_backend import vllm_available
+    from tinyzero.rollout.vllm.backend import vllm_available
 
     reason = vllm_available()
     if reason is not None:

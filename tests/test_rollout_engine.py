@@ -17,9 +17,10 @@ from tinyzero.rollout import (
     build_rollout,
     register_engine,
 )
-from tinyzero.rollout.engine import EngineSpec, engine_names, resolve_auto, sampling_params
+from tinyzero.rollout.engine import sampling_params
 from tinyzero.rollout.native import NativeRollout
-from tinyzero.rollout.vllm_rollout import VLLMRollout
+from tinyzero.rollout.registry import EngineSpec, engine_names, resolve_auto
+from tinyzero.rollout.vllm import VLLMRollout
 
 PROTOCOL_METHODS = ("generate_sequences", "update_weights", "sleep", "wake_up", "shutdown", "memory_metrics")
 
@@ -104,13 +105,13 @@ def test_auto_picks_native_without_gpu_and_vllm_with_one(monkeypatch, capsys):
 
 
 def test_vllm_version_range_is_checked():
-    from tinyzero.rollout import vllm_backend
+    from tinyzero.rollout.vllm import backend
 
-    assert vllm_backend.version_problem("0.32.0") is None
-    assert vllm_backend.version_problem("0.32.1+cpu") is None
+    assert backend.version_problem("0.32.0") is None
+    assert backend.version_problem("0.32.1+cpu") is None
     for bad in ("0.31.2", "0.33.0", "1.0.0"):
         with pytest.raises(ValueError, match=r"vllm .* outside the tested range >=0\.32\.0,<0\.33.*rollout.name=native"):
-            vllm_backend.check_version(bad)
+            backend.check_version(bad)
 
 
 def test_sampling_params_from_meta_info():

@@ -72,7 +72,7 @@ def test_any_causal_lm_through_hf_decoder():
     """A non-Llama architecture (GPT-2: learned positions, fused c_attn) runs through the HF decoder."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tinyzero.rollout.decoder import HFDecoder
+    from tinyzero.rollout.native.decoder import HFDecoder
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=128,
@@ -299,7 +299,7 @@ def test_compiled_decode_step_matches_eager_and_hf():
 def test_wide_mm_is_one_matmul_bit_for_bit(dtype):
     """fused_ops.wide_mm (column blocks for wide fp32 outputs) returns torch.mm's result bit for bit, for
     any number of rows and a last block that is shorter."""
-    from tinyzero.rollout import fused_ops
+    from tinyzero.rollout.native import fused_ops
 
     g = torch.Generator().manual_seed(0)
     n = fused_ops.WIDE_MM_COLUMNS + fused_ops.WIDE_MM_BLOCK // 3  # a ragged last block
@@ -321,7 +321,7 @@ def test_column_blocked_lm_head_decodes_like_hf(monkeypatch):
     """With blocks small enough that the random model's lm_head (vocab 96) splits into 40-column blocks
     (the last one 16), greedy decoding still equals HF generate and the sampled tokens and log-probs
     equal the unblocked engine's exactly."""
-    from tinyzero.rollout import fused_ops
+    from tinyzero.rollout.native import fused_ops
 
     model = _random_model()
     batch = _prompt_batch(5, 9, model.config.vocab_size, meta={"temperature": 0.8})

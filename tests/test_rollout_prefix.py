@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.test_rollout_native import _engine, _hf_greedy, _prompt_batch, _random_model
-from tinyzero.rollout.attention import shared_decode_attention
-from tinyzero.rollout.native import plan_chunks
+from tinyzero.rollout.native.attention import shared_decode_attention
+from tinyzero.rollout.native.engine import plan_chunks
 
 MODES = [("fused", "shared"), ("fused", "copy"), ("hf", "shared")]  # the HF decoder always copies
 

@@ -33,7 +33,8 @@ import torch
 
 from tinyzero.protocol import DataProto
 from tinyzero.rollout import RolloutConfig, build_rollout
-from tinyzero.rollout.remote import RemoteRollout, RemoteRolloutError
+from tinyzero.rollout.remote import RemoteRollout
+from tinyzero.runtime.http import RemoteRolloutError
 
 VOCAB = 1000
 

@@ -23,7 +23,7 @@ def _tp_rank(mode: str, do_sample: bool, comm_kind: str, vocab: int, prompts: in
 
     from tinyzero.rollout.config import RolloutConfig
     from tinyzero.rollout.native import NativeRollout
-    from tinyzero.rollout.tp_comm import DistComm, ShmComm
+    from tinyzero.rollout.native.tp_comm import DistComm, ShmComm
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tinyzero.rollout.vllm_backend import vllm_available
+from tinyzero.rollout.vllm.backend import vllm_available
 
 _REASON = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_REASON is not None, reason=f"needs vllm: {_REASON}")]

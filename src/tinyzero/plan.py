@@ -146,7 +146,7 @@ def _resolve_engine(resolved: Config, notice) -> str:
     if rollout.name != "auto" or resolved.trainer.mode != "ppo":
         return rollout.name
     from tinyzero.distributed import get_rank
-    from tinyzero.rollout.engine import resolve_auto
+    from tinyzero.rollout.registry import resolve_auto
 
     say = notice if get_rank() == 0 else None
     if resolved.trainer.device == "cpu":  # the GPU a host may have is not the run's
@@ -271,7 +271,7 @@ def _split_decode_or_not(plan: RunPlan, hf_config: Any) -> RunPlan:
     tp = plan.fast_path.get(key, 1)
     if tp <= 1:
         return plan
-    from tinyzero.rollout.decoder import FUSED_MODEL_TYPES
+    from tinyzero.rollout.native.decoder import FUSED_MODEL_TYPES
 
     intermediate = getattr(hf_config, "intermediate_size", None)
     if getattr(hf_config, "model_type", None) in FUSED_MODEL_TYPES and intermediate and intermediate % tp == 0:

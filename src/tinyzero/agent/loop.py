@@ -316,7 +316,7 @@ def _turn_length(s: _Sample) -> int:
 def build_agent_engine(config, model_path: str, tokenizer=None, **kwargs):
     """The engine `config` names (tinyzero.rollout.build_rollout, with its keyword arguments), inside the
     agent loop when rollout.multi_turn.enable: what the rollout worker generates with."""
-    from tinyzero.rollout.engine import build_rollout
+    from tinyzero.rollout.registry import build_rollout
 
     engine = build_rollout(config, model_path, tokenizer, **kwargs)
     if not config.multi_turn.enable:

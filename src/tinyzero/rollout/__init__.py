@@ -6,9 +6,12 @@
                                                    # position_ids, response_mask, rollout_log_probs
     engine.sleep(); engine.wake_up(tags=None)
 
-"native" (native.py) runs anywhere torch runs; "vllm" (vllm_rollout.py) is vLLM in-process; "auto"
-picks vLLM where it is usable and a GPU is present. The interface, the typed sampling parameters and
-the engine registry are in engine.py.
+The layout: engine.py is the interface (`RolloutEngine`, the typed `SamplingParams`), registry.py the
+engine registry and `build_rollout`, and each engine is a folder: native/ (runs anywhere torch runs),
+vllm/ (vLLM in-process), remote/ (OpenAI-compatible HTTP servers); "auto" picks vLLM where it is usable
+and a GPU is present. The modules beside them are what several engines or the workers share: config.py,
+outputs.py (the batch every engine returns), generate.py and sampling.py (the generation loop and
+sampler), device.py, weight_bridge.py, partial.py and multi_turn.py.
 
 Decisions (numbers from bench/rollout.py on the 2-core CPU machine):
 * The native engine generates from its own inference copy of the model, fed by
@@ -27,14 +30,8 @@ from __future__ import annotations
 
 from tinyzero.distributed.full_params import iter_full_params
 from tinyzero.rollout.config import RolloutConfig, ValKwargs
-from tinyzero.rollout.engine import (
-    ENGINES,
-    RolloutEngine,
-    SamplingParams,
-    build_rollout,
-    register_engine,
-    sampling_params,
-)
+from tinyzero.rollout.engine import RolloutEngine, SamplingParams, sampling_params
+from tinyzero.rollout.registry import ENGINES, build_rollout, register_engine
 
 __all__ = ["ENGINES", "RolloutConfig", "RolloutEngine", "SamplingParams", "ValKwargs", "build_rollout",
            "iter_full_params", "register_engine", "sampling_params"]

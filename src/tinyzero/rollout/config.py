@@ -6,8 +6,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from tinyzero.rollout.engine import check_sampling, engine_names
+from tinyzero.rollout.engine import check_sampling
 from tinyzero.rollout.multi_turn import MultiTurnConfig
+from tinyzero.rollout.registry import engine_names
 
 RolloutDtype = Literal["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 NativeImpl = Literal["auto", "fused", "hf"]
@@ -42,7 +43,7 @@ class RolloutConfig:
 
     name: str = "native"
     """Engine: "native" (torch only, CPU and GPU), "vllm" (in-process vLLM), any other registered engine
-    (rollout/engine.py), or "auto": vLLM where it imports (a tested version) and a GPU is present, else
+    (rollout/registry.py), or "auto": vLLM where it imports (a tested version) and a GPU is present, else
     native (native under trainer.device=cpu); resolved once at start-up by the run plan (tinyzero.plan),
     with a one-line notice."""
     n: int = 1
@@ -78,7 +79,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int | None = None
     """Ranks per tensor-parallel group (consecutive ranks); data-parallel across groups. vLLM splits
     every layer over the group; the native engine (fused decoder) splits the MLPs and lm_head and
-    gives each rank a share of the rows to attend for (rollout/decoder_tp.py). None: the run plan
+    gives each rank a share of the rows to attend for (rollout/native/decoder_tp.py). None: the run plan
     decides (the native engine on CPU decodes over every rank of a one-host policy pool when the
     model's MLP splits evenly; else 1; tinyzero.plan)."""
     enforce_eager: bool = True

@@ -12,7 +12,7 @@ call's closing tag spelled in several tokens) sampled whole within the response 
 
 Prefix sharing: with group_size g > 1 the B distinct prompts are prefilled once and each is decoded
 as g rows (row i*g + j is sample j of prompt i, the rows `repeat_interleave(g)` gives); the
-decoder, reset for (B, g), keeps the shared prompt keys (decoder.py).
+decoder, reset for (B, g), keeps the shared prompt keys (native/decoder.py).
 
 Shapes: B batch (prompts), P padded prompt length, R response length, V vocab, B*g rows.
 """

@@ -5,7 +5,7 @@ log_softmax(logits / T)[token] over the full vocabulary, *before* top-k / top-p 
 which is what `compute_log_prob` recomputes from the same weights (veRL's `old_log_probs`).
 Greedy decoding reports log_softmax(logits)[token] (T = 1). vLLM's "processed_logprobs"
 agree with this exactly when top-k and top-p are off (the RL default); with truncation on,
-vLLM reports log-probs of the renormalized truncated distribution (see vllm_backend.py).
+vLLM reports log-probs of the renormalized truncated distribution (see vllm/backend.py).
 
 Top-p follows vLLM: keep the smallest set of most likely tokens whose mass reaches top_p
 (the most likely token is always kept). Top-k keeps every token whose logit is at least

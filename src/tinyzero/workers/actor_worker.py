@@ -241,7 +241,7 @@ class ActorRolloutRefWorker(Worker):
         Returns the float64 checksum of what was sent (0.0 on the other ranks)."""
         from tinyzero.distributed.full_params import iter_full_params
         from tinyzero.rollout.config import sync_bucket_bytes
-        from tinyzero.rollout.native import resolve_dtype
+        from tinyzero.rollout.device import resolve_dtype
         from tinyzero.rollout.weight_bridge import bridge_group, send_params
 
         if self.actor is None:

@@ -1,4 +1,4 @@
-"""Building blocks of the native engine's fused decoder (tinyzero.rollout.decoder): rope, fused
+"""Building blocks of the native engine's fused decoder (decoder.py): rope, fused
 q/k/v and gate/up weights (and their unmerged LoRA adapters), and HF's Llama-family ops called
 without the nn.Module overhead, each equal to the HF op it replaces.
 """

@@ -57,7 +57,7 @@ from typing import Iterable
 import torch
 
 from tinyzero.rollout.config import RolloutConfig
-from tinyzero.rollout.sampling import SamplingParams
+from tinyzero.rollout.engine import SamplingParams
 
 CHECKED_VERSION = "0.32.0"
 TESTED_RANGE = ("0.32.0", "0.33")  # [low, high): the versions this module's reach into vLLM was checked on
@@ -86,7 +86,7 @@ def version_problem(version: str | None = None) -> str | None:
     low, high = TESTED_RANGE
     if Version(low) <= Version(Version(version).base_version) < Version(high):  # "0.32.0+cpu" -> 0.32.0
         return None
-    return (f"vllm {version} is outside the tested range >={low},<{high} (tinyzero.rollout.vllm_backend relies on "
+    return (f"vllm {version} is outside the tested range >={low},<{high} (tinyzero.rollout.vllm.backend relies on "
             f"internals checked on {CHECKED_VERSION})")
 
 

@@ -24,10 +24,9 @@ import warnings
 import torch
 
 from tinyzero.protocol import DataProto
-from tinyzero.rollout import vllm_backend
 from tinyzero.rollout.config import RolloutConfig
+from tinyzero.rollout.device import cuda_memory_gb, resolve_dtype
 from tinyzero.rollout.engine import sampling_params
-from tinyzero.rollout.native import cuda_memory_gb, resolve_dtype
 from tinyzero.rollout.outputs import (
     build_output,
     check_prompt_batch,
@@ -35,6 +34,7 @@ from tinyzero.rollout.outputs import (
     raw_prompt_token_ids,
     repeat_prompts,
 )
+from tinyzero.rollout.vllm import backend
 
 
 class VLLMRollout:
@@ -42,16 +42,16 @@ class VLLMRollout:
 
     def __init__(self, config: RolloutConfig, model_path: str, hf_config, device: torch.device | str,
                  dp_rank: int = 0, load_dummy: bool = True, trust_remote_code: bool = False, lora_rank: int = 0):
-        reason = vllm_backend.vllm_available()
+        reason = backend.vllm_available()
         if reason is not None:
             raise ValueError(f"rollout.name='vllm' but {reason}; install vllm or set rollout.name='native'")
-        vllm_backend.check_version()
+        backend.check_version()
         self.config = config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.dp_rank = dp_rank
         self.num_calls = 0
-        self.llm = vllm_backend.make_llm(model_path, config, hf_config, self.dtype, seed=config.seed,
+        self.llm = backend.make_llm(model_path, config, hf_config, self.dtype, seed=config.seed,
                                          load_dummy=load_dummy, trust_remote_code=trust_remote_code,
                                          max_lora_rank=lora_rank)
         self.lora_rank = lora_rank
@@ -59,12 +59,12 @@ class VLLMRollout:
         self.adapter_nbytes = 0  # bytes of the last adapter registered
         self._asleep = False
         self._warned_truncation = False
-        self.prefix_cache_stats: dict[str, int] = {}  # of the last generate call (vllm_backend.generate)
+        self.prefix_cache_stats: dict[str, int] = {}  # of the last generate call (backend.generate)
         self.memory: dict[str, float] = {"after_init_gb": cuda_memory_gb(self.device)}
 
     def update_weights(self, named_tensors) -> None:
         """Load (hf_name, full tensor) pairs (consumed lazily, layer by layer); resets the prefix cache."""
-        vllm_backend.sync_weights(self.llm, named_tensors)
+        backend.sync_weights(self.llm, named_tensors)
         self.memory["after_sync_gb"] = cuda_memory_gb(self.device)
 
     @property
@@ -83,21 +83,21 @@ class VLLMRollout:
         if int(peft_config["r"]) > self.lora_rank:
             raise ValueError(f"adapter rank {peft_config['r']} is above the engine's lora_rank={self.lora_rank}")
         version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
-        self.lora_request = vllm_backend.add_lora(self.llm, version, tensors, peft_config)
+        self.lora_request = backend.add_lora(self.llm, version, tensors, peft_config)
         self.adapter_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return len(tensors)
 
     def sleep(self) -> None:
         """GPU with free_cache_engine: release the KV cache (and weights, per sleep_level)."""
         if self.config.free_cache_engine and not self._asleep:
-            vllm_backend.sleep(self.llm, self.config.sleep_level or 1)
+            backend.sleep(self.llm, self.config.sleep_level or 1)
             self._asleep = True
             self.memory["after_sleep_gb"] = cuda_memory_gb(self.device)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate what sleep freed; tags among ("weights", "kv_cache"), None for both."""
         if self._asleep:
-            vllm_backend.wake_up(self.llm, tags)
+            backend.wake_up(self.llm, tags)
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
             self.memory[f"after_wake_{'_'.join(tags or ['all'])}_gb"] = cuda_memory_gb(self.device)
@@ -112,7 +112,7 @@ class VLLMRollout:
         """End the engine; the last call of the job: vLLM's teardown also destroys torch.distributed's
         default process group. Not needed at exit (the engine is released with the process)."""
         if self.llm is not None:
-            vllm_backend.shutdown(self.llm)
+            backend.shutdown(self.llm)
             self.llm = None
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -123,7 +123,7 @@ class VLLMRollout:
             warnings.warn("vLLM reports log-probs of the top-k/top-p truncated distribution; the trainer "
                           "recomputes untruncated ones, so rollout and trainer log-probs differ", stacklevel=2)
             self._warned_truncation = True
-        tokens, logprobs = vllm_backend.generate(self.llm, raw_prompt_token_ids(prompts), params, params.seed,
+        tokens, logprobs = backend.generate(self.llm, raw_prompt_token_ids(prompts), params, params.seed,
                                                  stats=self.prefix_cache_stats, lora_request=self.lora_request)
         responses, response_mask, log_probs = pad_responses(
             tokens, logprobs, params.response_length, params.pad_token_id, params.stop_token_ids, params.stop_sequences)

@@ -9,7 +9,7 @@ only extra memory (one model in inference dtype plus the KV cache).
 Usage:
     engine = NativeRollout(config, hf_config, device)
     engine.update_weights(iter_full_params(actor_module, bucket_bytes))
-    out = engine.generate_sequences(prompt_batch)   # DataProto, see outputs.py
+    out = engine.generate_sequences(prompt_batch)   # DataProto, see tinyzero.rollout.outputs
 """
 
 from __future__ import annotations
@@ -18,29 +18,13 @@ import torch
 
 from tinyzero.protocol import DataProto
 from tinyzero.rollout.config import RolloutConfig
-from tinyzero.rollout.decoder import build_decoder
+from tinyzero.rollout.device import cuda_memory_gb, resolve_dtype
 from tinyzero.rollout.engine import sampling_params
 from tinyzero.rollout.generate import generate
+from tinyzero.rollout.native.decoder import build_decoder
 from tinyzero.rollout.outputs import PROMPT_KEYS, build_output, check_prompt_batch, repeat_prompts
 from tinyzero.rollout.sampling import draw_uniforms, make_generator
 from tinyzero.runtime.host_memory import release_freed_memory
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """rollout.dtype -> torch dtype ("auto": bf16 on GPU, fp32 on CPU)."""
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return table[name]
-
-
-def cuda_memory_gb(device: torch.device) -> float:
-    """GiB in use on a CUDA device by every allocator (torch's and vLLM's pools alike); 0.0 elsewhere."""
-    if device.type != "cuda":
-        return 0.0
-    free, total = torch.cuda.mem_get_info(device)
-    return (total - free) / 2**30
 
 
 def build_inference_model(hf_config, device: torch.device, dtype: torch.dtype, model_path: str | None = None,
@@ -73,7 +57,7 @@ class NativeRollout:
         self.decoder = build_decoder(self.model, config.native_impl, compile=config.native_compile)
         self.tp_comm = None  # rollout.tensor_model_parallel_size > 1: the group's collectives (tp_comm.py)
         if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
-            from tinyzero.rollout.tp_comm import build_comm
+            from tinyzero.rollout.native.tp_comm import build_comm
 
             self.tp_comm = build_comm(tp_group, self.device)
             self._split_decoder()

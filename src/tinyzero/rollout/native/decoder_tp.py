@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyzero.rollout.fused_ops import wide_mm
+from tinyzero.rollout.native.fused_ops import wide_mm
 
 
 class TensorParallelDecoding:

@@ -59,14 +59,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyzero.rollout.attention import (
+from tinyzero.rollout.native.attention import (
     attention_mask,
     decode_attention,
     prefill_attention,
     shared_decode_attention,
 )
-from tinyzero.rollout.decoder_tp import TensorParallelDecoding
-from tinyzero.rollout.fused_ops import (
+from tinyzero.rollout.native.decoder_tp import TensorParallelDecoding
+from tinyzero.rollout.native.fused_ops import (
     act_fn,
     add_lora,
     apply_rope,
@@ -79,8 +79,8 @@ from tinyzero.rollout.fused_ops import (
     weight_t,
     wide_mm,
 )
-from tinyzero.rollout.hf_decoder import HFDecoder
-from tinyzero.rollout.kv_cache import GroupKVCache, KVCache
+from tinyzero.rollout.native.hf_decoder import HFDecoder
+from tinyzero.rollout.native.kv_cache import GroupKVCache, KVCache
 
 FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
