@@ -4,7 +4,7 @@
 
 Stages (offline, under --out): the tiny model; the data (tinyzero.data.preprocess.code_tasks:
 "mul 3:" -> "def f(x):return x*3", call-based tests); the format warm-up (`train.py sft --preset
-code_exec_cpu_sft`, near-miss or random constants); GRPO (`train.py --preset code_exec_cpu`), whose only
+code_exec_cpu_sft`, near-miss constants); GRPO (`train.py --preset code_exec_cpu`), whose only
 reward is the fraction of test calls the program passes in the sandbox. The last line printed is
 one JSON object: the validation score before and after GRPO, the rise, and the wall time.
 """

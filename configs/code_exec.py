@@ -6,8 +6,8 @@
     torchrun --nproc_per_node 2 train.py --preset code_exec_cpu            # GRPO, execution rewards
 
 Data: tinyzero.data.preprocess.code_tasks ("mul 3:" -> "def f(x):return x*3", tested by calls in
-the sandbox). The warm-up's constants are near misses or drawn at random, never taught as the
-answer, so GRPO has to find the right programs from the execution reward alone.
+the sandbox). The warm-up's constants are near misses, so GRPO has to find the right programs
+from the execution reward alone.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def code_exec_cpu() -> Config:
 
 
 def code_exec_cpu_sft() -> Config:
-    """The format warm-up: SFT on "op k:" -> a program whose constant is a near miss or random.
+    """The format warm-up: SFT on "op k:" -> a program with a near-miss constant.
 
     300 steps, not the demo's 60: the constant sits 17 tokens after the spec, and the tiny model learns
     to copy it from the prompt well after it has learned the format. A warm-up that stops before then

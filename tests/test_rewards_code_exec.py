@@ -165,21 +165,17 @@ def test_code_tasks_warm_up_teaches_the_format_not_the_answer(tmp_path):
 
     import pyarrow.parquet as pq
 
-    from tinyzero.data.preprocess.code_tasks import CONSTANTS, OPS, SFT_RANDOM_FRACTION, build_data, problems
+    from tinyzero.data.preprocess.code_tasks import OPS, build_data, problems
 
     build_data(str(tmp_path), seed=0)
     test = pq.read_table(tmp_path / "test.parquet").to_pylist()
     assert sorted(r["prompt"][0]["content"] for r in test) == sorted(f"{op} {k}:" for op, k in problems())
     sft = pq.read_table(tmp_path / "sft.parquet").to_pylist()
-    right = 0
+    assert len(sft) == 16 * len(problems())
+    offsets = set()
     for row in sft:
         op, k = re.fullmatch(r"(\w+) (\d+):", row["prompt"][0]["content"]).groups()
         sym, c = re.fullmatch(r"def f\(x\):return x([-+*])(\d+)", row["response"]).groups()
-        k, c = int(k), int(c)
-        assert sym == OPS[op] and (c in (k + 1, k + 2) or c in CONSTANTS), row
-        right += c == k
-    # The answer appears only through the random draws: SFT_RANDOM_FRACTION / 9 of the rows (24 of 432
-    # expected, standard deviation 4.8); 0.1 is 9 standard deviations above.
-    assert len(sft) == 16 * len(problems())
-    assert right / len(sft) < 0.1
-    assert right / len(sft) == pytest.approx(SFT_RANDOM_FRACTION / len(CONSTANTS), abs=0.04)
+        assert sym == OPS[op], row
+        offsets.add(int(c) - int(k))
+    assert offsets == {1, 2}  # the right constant (offset 0) never appears

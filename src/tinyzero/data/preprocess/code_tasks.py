@@ -5,10 +5,9 @@
 A prompt names an operation and a constant ("mul 3:"); the answer is a program defining f
 ("def f(x):return x*3"), scored by tinyzero.rewards.code_exec: veRL's call-based ground truth
 ({"fn_name": "f", "inputs": [[x], ...], "outputs": [...]}) as a JSON string, the fraction of the
-test calls that return the right value. The SFT rows teach the format only: half their constants
-are near misses (k + 1 or k + 2) and half are drawn at random, so a warmed-up model copies the
-constant from the spec, writes programs that run but are mostly wrong, and writes the right
-constant only as often as a random draw does.
+test calls that return the right value. The SFT rows teach the format only: their constants are
+near misses (k + 1 or k + 2), so a warmed-up model copies the constant from the spec and writes
+programs that run but are wrong.
 
 In-process use (the code learning check):
     from tinyzero.data.preprocess.code_tasks import build_data
@@ -36,8 +35,6 @@ would pass, with x = 1 "x*4" would pass for "add 3": such partial scores pull th
 the wrong operator."""
 SFT_OFFSETS = (1, 2)
 """Near-miss offsets of the warm-up constants (k + 1 or k + 2: never the answer)."""
-SFT_RANDOM_FRACTION = 0.5
-"""Share of warm-up rows whose constant is drawn uniformly from CONSTANTS, whatever the spec."""
 
 
 def problems() -> list[tuple[str, int]]:
@@ -57,14 +54,6 @@ def ground_truth(op: str, k: int) -> str:
                        "outputs": [apply(x) for x in TEST_INPUTS]})
 
 
-def sft_constant(k: int, rng: random.Random) -> int:
-    """The constant of a warm-up row for spec constant k: a near miss, or (SFT_RANDOM_FRACTION of the
-    time) a constant drawn at random, unrelated to k."""
-    if rng.random() < SFT_RANDOM_FRACTION:
-        return rng.choice(CONSTANTS)
-    return k + rng.choice(SFT_OFFSETS)
-
-
 def build_data(out_dir: str, seed: int = 0, train_repeats: int = 8, sft_repeats: int = 16) -> None:
     """train / test RL parquets (every problem; train repeated) and the format-only SFT parquet."""
     def rows(split: str, repeats: int) -> list[dict]:
@@ -77,7 +66,7 @@ def build_data(out_dir: str, seed: int = 0, train_repeats: int = 8, sft_repeats:
 
     write_splits(out_dir, rows("train", train_repeats), rows("test", 1))
     rng = random.Random(seed)
-    sft = [{"prompt": [{"role": "user", "content": f"{op} {k}:"}], "response": program(op, sft_constant(k, rng))}
+    sft = [{"prompt": [{"role": "user", "content": f"{op} {k}:"}], "response": program(op, k + rng.choice(SFT_OFFSETS))}
            for _ in range(sft_repeats) for op, k in problems()]
     write_parquet(sft, os.path.join(out_dir, "sft.parquet"))
 
