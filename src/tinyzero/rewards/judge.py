@@ -14,13 +14,15 @@ Backends behind one `JudgeBackend` protocol (`generate(conversations) -> replies
   RemoteJudgeBackend  an OpenAI-compatible server (/v1/chat/completions or /v1/completions) through the
                       remote rollout's HTTP client (tinyzero.runtime.http): temperature 0,
                       reward.judge.concurrency requests in flight, reward.judge.timeout_s per request,
-                      reward.judge.retries attempts on transient failures.
+                      reward.judge.retries attempts on transient failures, an API key from the
+                      environment variable reward.judge.api_key_env names (Authorization: Bearer).
 A reply the parser cannot read, or a request that fails every attempt, gives the sample an error result
 (score 0) that the RewardManager handles under reward.on_error like any reward fault.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -118,6 +120,19 @@ class HFJudgeBackend:
 
 
 # ---------------------------------------------------------------------------------------------- remote
+def api_key_headers(api_key_env: str | None) -> dict[str, str]:
+    """{"Authorization": "Bearer <key>"} from the environment variable reward.judge.api_key_env names ({} for
+    None); ValueError naming the variable when it is unset or empty. The key appears in no message."""
+    if api_key_env is None:
+        return {}
+    key = os.environ.get(api_key_env, "").strip()
+    if not key:
+        raise ValueError(f"reward.judge.api_key_env={api_key_env}: the environment variable {api_key_env} is "
+                         f"{'empty' if api_key_env in os.environ else 'not set'}; export the judge server's API key "
+                         "in it on every rank, or unset reward.judge.api_key_env")
+    return {"Authorization": f"Bearer {key}"}
+
+
 class RemoteJudgeBackend:
     """An OpenAI-compatible server; per-request timeout and retries, bounded concurrency."""
 
@@ -126,12 +141,13 @@ class RemoteJudgeBackend:
         self.base = base[:-3] if base.endswith("/v1") else base
         self.config, self.name = config, f"the judge server {self.base}"
         self._model = config.model
+        self._headers = api_key_headers(config.api_key_env)
 
     def _call(self, path: str, body: dict | None) -> dict | None:
         cfg, url, last = self.config, self.base + path, None
         for attempt in range(cfg.retries):
             try:
-                return http_json(url, body, timeout=cfg.timeout_s)
+                return http_json(url, body, timeout=cfg.timeout_s, headers=self._headers)
             except Transient as e:
                 last = e
                 if attempt + 1 < cfg.retries:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +40,11 @@ class JudgeConfig:
 
     model: str | None = None
     """Remote judge: the "model" field of each request; None asks the server's /v1/models for its first."""
+
+    api_key_env: str | None = None
+    """Remote judge: the name of an environment variable holding the server's API key, sent as
+    `Authorization: Bearer <key>` (the key itself stays out of the config and the logs). A name whose
+    variable is unset or empty stops the run at start-up. None: no Authorization header."""
 
     api: Literal["chat", "completions"] = "chat"
     """Remote judge: /v1/chat/completions (the server applies its chat template) or /v1/completions
@@ -87,6 +93,12 @@ class JudgeConfig:
                 raise ValueError(f"reward.judge.{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.judge.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.api_key_env is not None and (not self.api_key_env or "=" in self.api_key_env):
+            raise ValueError(f"reward.judge.api_key_env={self.api_key_env!r} must name an environment variable "
+                             "(such as JUDGE_API_KEY), not hold the key")
+        if self.enable and self.api_key_env is not None and self.url is None:
+            warnings.warn(f"reward.judge.api_key_env={self.api_key_env} is ignored: it is sent to a remote judge "
+                          "(reward.judge.url), and this judge runs in-process", stacklevel=2)
         if self.engine not in ("hf", "native", "vllm"):
             raise ValueError(f"reward.judge.engine={self.engine!r} is not one of hf, native, vllm")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

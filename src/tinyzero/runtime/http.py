@@ -54,12 +54,13 @@ class Reply:
     labels: list[set]
 
 
-def http_json(url: str, body: dict | None, timeout: float) -> dict | None:
+def http_json(url: str, body: dict | None, timeout: float, headers: dict[str, str] | None = None) -> dict | None:
     """One HTTP call (POST with a JSON body, or GET when body is None) -> the JSON reply (None if empty).
+    headers: sent besides Content-Type (e.g. Authorization); never part of an error message.
     Raises Transient for failures worth retrying and HTTPStatus (a RemoteRolloutError) for the others."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
