@@ -4,7 +4,7 @@
     python -m tinyzero.data.preprocess.countdown --out data/countdown
     torchrun --nproc_per_node 2 train.py --preset countdown_qwen2_5_3b_ppo \
         --actor_rollout_ref.model.path /models/Qwen2.5-3B --data.train_files data/countdown/train.parquet
-    torchrun --nproc_per_node 8 train.py --preset countdown_qwen2_5_3b_grpo --trainer.placement split
+    torchrun --nproc_per_node 8 train.py --preset countdown_qwen2_5_3b_grpo --pipeline.placement split
 
     # SFT, reward model, DPO (the first argument picks the trainer)
     torchrun --nproc_per_node 8 train.py sft --preset sft --data.train_files data/sft/train.parquet

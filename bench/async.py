@@ -5,7 +5,7 @@
     python bench/async.py --model-path /path/to/SmolLM2-135M-Instruct --steps 6
 
 Both runs are `train.py` (GRPO on the demo task) with the rollout engine on its own pool
-(trainer.rollout_pool_size=1): trainer.max_staleness=1 (generation of batch k+1 overlaps the
+(pipeline.rollout_pool_size=1): pipeline.max_staleness=1 (generation of batch k+1 overlaps the
 update on batch k) against max_staleness=0 (the same pipeline serialized: generate, then train).
 Same prompts, batch, samples, response length and steps; TIS (cap 2) in both. Figures over the
 steps after the first `--skip` (start-up): steps per second of each, throughput_ratio = async /
@@ -38,7 +38,7 @@ def _run(root: str, model: str, staleness: int, args) -> list[dict]:
            f"--trainer.default_local_dir={run}", "--trainer.plot=false", "--trainer.logger=jsonl",
            "--trainer.val_before_train=false", "--trainer.test_freq=-1", "--trainer.save_freq=-1",
            "--trainer.export_hf=false", "--trainer.resume_mode=disable", f"--trainer.total_training_steps={args.steps}",
-           "--trainer.rollout_pool_size=1", f"--trainer.max_staleness={staleness}",
+           "--pipeline.rollout_pool_size=1", f"--pipeline.max_staleness={staleness}",
            "--actor_rollout_ref.actor.tis_imp_ratio_cap=2.0", f"--data.train_batch_size={args.batch}",
            f"--actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}", f"--actor_rollout_ref.rollout.n={args.n}",
            f"--data.max_response_length={args.response_length}"]

@@ -1,4 +1,4 @@
-"""The asynchronous pipeline (trainer.max_staleness): 2 CPU ranks, 1 rollout + 1 trainer, tiny model.
+"""The asynchronous pipeline (pipeline.max_staleness): 2 CPU ranks, 1 rollout + 1 trainer, tiny model.
 
 Through train.py: K=1 runs with finite metrics, staleness 0 then 1 (never above K), the rollout
 engine holding the trainer's weights after every update (checksums, and zero rollout/trainer
@@ -45,7 +45,7 @@ def _args(root, model: str, run: str, *extra: str) -> list[str]:
             "--actor_rollout_ref.rollout.n=4", "--data.train_batch_size=8",
             "--actor_rollout_ref.actor.ppo_mini_batch_size=8", "--trainer.val_before_train=true",
             "--trainer.test_freq=-1", "--trainer.plot=false", "--trainer.logger=jsonl",
-            "--trainer.max_staleness=1", "--actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
+            "--pipeline.max_staleness=1", "--actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
             "--trainer.total_training_steps=4", "--trainer.save_freq=2", *extra]
 
 
@@ -124,11 +124,11 @@ def test_on_policy_pipeline_equals_the_synchronous_loop(setup):
     """max_staleness=0 on 1 trainer + 1 rollout rank vs the synchronous loop on 1 rank (the same training
     layout): every metric but the timings is bit-identical at every step."""
     root, model = setup
-    common = ["--trainer.max_staleness=0", "--actor_rollout_ref.actor.tis_imp_ratio_cap=-1",
+    common = ["--pipeline.max_staleness=0", "--actor_rollout_ref.actor.tis_imp_ratio_cap=-1",
               "--trainer.total_training_steps=3", "--trainer.save_freq=-1", "--trainer.val_before_train=false",
               "--trainer.export_hf=false", "--actor_rollout_ref.actor.ppo_mini_batch_size=4"]
     runs = {}
-    for name, ranks, extra in (("sync", 1, []), ("pipeline", 2, ["--trainer.rollout_pool_size=1"])):
+    for name, ranks, extra in (("sync", 1, []), ("pipeline", 2, ["--pipeline.rollout_pool_size=1"])):
         cmd = _cmd(_args(root, model, name, *common, *extra))
         cmd[cmd.index("--nproc_per_node=2")] = f"--nproc_per_node={ranks}"
         out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -176,12 +176,12 @@ def test_a_failure_in_generation_ends_every_rank_with_its_traceback(setup):
         assert "generate_sequences" in message, (rank, message)
 
 
-def _config(**trainer):
+def _config(**settings):
     from configs.demo import demo_cpu
     from tinyzero.config import check_config
 
     cfg = demo_cpu()
-    for k, v in trainer.items():
+    for k, v in settings.items():
         section, name = k.split("__")
         setattr(getattr(cfg, section) if section != "rollout" else cfg.actor_rollout_ref.rollout, name, v)
     check_config(cfg)
@@ -189,24 +189,24 @@ def _config(**trainer):
 
 
 def test_config_errors_name_the_fix():
-    from tinyzero.config import ConfigError, TrainerConfig
+    from tinyzero.config import ConfigError, PipelineConfig
 
     with pytest.raises(ConfigError, match=r"tis_imp_ratio_cap=2.0.*use_rollout_log_probs=true.*allow_uncorrected"):
-        _config(trainer__max_staleness=1)
-    _config(trainer__max_staleness=1, trainer__allow_uncorrected_staleness=True)
-    _config(trainer__max_staleness=2, rollout__use_rollout_log_probs=True)
-    _config(trainer__rollout_pool_size=1)  # the on-policy pipeline needs no correction
+        _config(pipeline__max_staleness=1)
+    _config(pipeline__max_staleness=1, pipeline__allow_uncorrected_staleness=True)
+    _config(pipeline__max_staleness=2, rollout__use_rollout_log_probs=True)
+    _config(pipeline__rollout_pool_size=1)  # the on-policy pipeline needs no correction
     with pytest.raises(ConfigError, match="rollout.name=native"):
-        _config(trainer__max_staleness=1, rollout__use_rollout_log_probs=True, rollout__name="vllm")
-    with pytest.raises(ConfigError, match="trainer.placement=colocate"):
-        _config(trainer__max_staleness=1, rollout__use_rollout_log_probs=True, trainer__placement="split")
-    _config(trainer__max_staleness=1, trainer__rollout_rs_threshold=2.0)  # masking alone is a correction
+        _config(pipeline__max_staleness=1, rollout__use_rollout_log_probs=True, rollout__name="vllm")
+    with pytest.raises(ConfigError, match="pipeline.placement=colocate"):
+        _config(pipeline__max_staleness=1, rollout__use_rollout_log_probs=True, pipeline__placement="split")
+    _config(pipeline__max_staleness=1, pipeline__rollout_rs_threshold=2.0)  # masking alone is a correction
     with pytest.raises(ConfigError, match="use_rollout_log_probs=false"):
-        _config(trainer__max_staleness=1, trainer__rollout_rs_threshold=2.0, rollout__use_rollout_log_probs=True)
+        _config(pipeline__max_staleness=1, pipeline__rollout_rs_threshold=2.0, rollout__use_rollout_log_probs=True)
     with pytest.raises(ConfigError, match="asynchronous pipeline only"):
-        _config(trainer__rollout_rs_threshold=2.0)
+        _config(pipeline__rollout_rs_threshold=2.0)
     with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
-        TrainerConfig(max_staleness=-1)
+        PipelineConfig(max_staleness=-1)
 
 
 def _bridge_round_trips(cases: list[tuple[int, str | None]]) -> list[float]:

@@ -1,4 +1,4 @@
-"""Partial rollouts (trainer.partial_rollout): weights that land between decoding segments.
+"""Partial rollouts (pipeline.partial_rollout): weights that land between decoding segments.
 
 In process, native engine on a tiny random Qwen2: a generation told that version 1 is coming takes
 it after its first segment and continues the unfinished rows under it; every token records the
@@ -110,20 +110,20 @@ def test_without_an_incoming_version_the_generation_is_the_engines():
 
 
 def test_partial_rollout_config_errors_name_the_fix():
-    from tinyzero.config import ConfigError, TrainerConfig
+    from tinyzero.config import ConfigError, PipelineConfig
 
     with pytest.raises(ConfigError, match="partial_rollout=true.*max_staleness=1"):
-        _config(trainer__partial_rollout=True)
+        _config(pipeline__partial_rollout=True)
     with pytest.raises(ConfigError, match="partial_rollout_chunk must be >= 1"):
-        TrainerConfig(partial_rollout_chunk=0)
-    _config(trainer__partial_rollout=True, trainer__max_staleness=1, rollout__use_rollout_log_probs=True)
+        PipelineConfig(partial_rollout_chunk=0)
+    _config(pipeline__partial_rollout=True, pipeline__max_staleness=1, rollout__use_rollout_log_probs=True)
 
 
 @pytest.mark.slow
 def test_partial_rollouts_through_train_py(setup):  # noqa: F811 - the fixture
     root, model = setup
     # Long responses in 2-token segments: the update usually lands mid-generation (timing decides where).
-    args = _args(root, model, "partial", "--trainer.partial_rollout=true", "--trainer.partial_rollout_chunk=2",
+    args = _args(root, model, "partial", "--pipeline.partial_rollout=true", "--pipeline.partial_rollout_chunk=2",
                  "--data.max_response_length=16", "--trainer.total_training_steps=3", "--trainer.save_freq=-1",
                  "--trainer.val_before_train=false", "--trainer.export_hf=false")
     out = subprocess.run(_cmd(args), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -118,7 +118,7 @@ def test_tp_must_divide_world():
 
 
 def test_split_placement_needs_two_ranks():
-    cfg = merge_dict(Config(), {"trainer": {"placement": "split"}})
+    cfg = merge_dict(Config(), {"pipeline": {"placement": "split"}})
     with pytest.raises(ValueError, match="at least 2 ranks"):
         _check_world(cfg, 1)
 
@@ -190,7 +190,7 @@ def test_help_lists_every_flag():
 
 
 def test_vllm_rollout_needs_colocated_placement():
-    cfg = merge_dict(Config(), {"trainer": {"placement": "split"},
+    cfg = merge_dict(Config(), {"pipeline": {"placement": "split"},
                                 "actor_rollout_ref": {"rollout": {"name": "vllm"}}})
     with pytest.raises(ValueError, match="placement=colocate"):
         _check_world(cfg, 4)

@@ -144,7 +144,7 @@ def test_split_and_colocated_placements_both_train(setup, tiny_model_dir):
            "--actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
     rows = {}
     for placement in ("colocate", "split"):
-        _ok(launch(setup, placement, *ppo, *val, f"--trainer.placement={placement}", model=tiny_model_dir))
+        _ok(launch(setup, placement, *ppo, *val, f"--pipeline.placement={placement}", model=tiny_model_dir))
         rows[placement] = read_metrics(str(setup / placement))
     for placement, got in rows.items():
         assert [r["step"] for r in got] == [1, 2]

@@ -87,7 +87,7 @@ def test_grpo_with_tensor_parallel_native_rollout(demo_setup):
 
 def test_ppo_gae_with_critic_learns_split_placement(demo_setup):
     torchrun(_rl_args(demo_setup, "ppo", "--algorithm.adv_estimator=gae", "--actor_rollout_ref.rollout.n=4",
-                      "--critic.optim.lr=1e-3", "--critic.ppo_mini_batch_size=8", "--trainer.placement=split",
+                      "--critic.optim.lr=1e-3", "--critic.ppo_mini_batch_size=8", "--pipeline.placement=split",
                       "--trainer.total_training_steps=20", "--trainer.test_freq=20"))
     rows = read_metrics(str(demo_setup / "ppo"))
     assert all("critic/vf_loss" in r for r in rows[1:])
@@ -101,10 +101,10 @@ def test_one_step_off_policy_learns_like_the_synchronous_loop(demo_setup, seed):
     """Asynchronous RL (1 rollout rank + 1 trainer rank): K=1 with truncated importance sampling reaches
     at least 0.8 of the synchronous split run's validation score after the same 15 steps, per seed."""
     common = ["--trainer.total_training_steps=15", "--trainer.test_freq=15", "--trainer.val_before_train=false",
-              "--trainer.rollout_pool_size=1", f"--trainer.seed={seed}", f"--data.seed={seed}",
+              "--pipeline.rollout_pool_size=1", f"--trainer.seed={seed}", f"--data.seed={seed}",
               f"--actor_rollout_ref.rollout.seed={seed}", "--actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"]
-    torchrun(_rl_args(demo_setup, f"sync{seed}", *common, "--trainer.max_staleness=0"))
-    torchrun(_rl_args(demo_setup, f"async{seed}", *common, "--trainer.max_staleness=1"))
+    torchrun(_rl_args(demo_setup, f"sync{seed}", *common, "--pipeline.max_staleness=0"))
+    torchrun(_rl_args(demo_setup, f"async{seed}", *common, "--pipeline.max_staleness=1"))
     sync = _val(read_metrics(str(demo_setup / f"sync{seed}")))[-1]
     rows = read_metrics(str(demo_setup / f"async{seed}"))
     asynchronous = _val(rows)[-1]

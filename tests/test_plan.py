@@ -37,7 +37,7 @@ def test_the_users_config_is_never_written():
 @pytest.mark.parametrize("placement,world,actor,critic", [("colocate", 4, (0, 1, 2, 3), (0, 1, 2, 3)),
                                                            ("split", 4, (0, 1), (2, 3))])
 def test_pools_and_layouts(placement, world, actor, critic):
-    cfg = _cfg({"algorithm": {"adv_estimator": "gae"}, "trainer": {"placement": placement},
+    cfg = _cfg({"algorithm": {"adv_estimator": "gae"}, "pipeline": {"placement": placement},
                 "data": {"train_batch_size": 8}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}}})
     plan = plan_run(cfg, world, notice=None)
     assert plan.pools["actor"] == actor and plan.pools["critic"] == critic and plan.pools["rollout"] == actor
@@ -49,7 +49,7 @@ def test_pools_and_layouts(placement, world, actor, critic):
 
 
 def test_asynchronous_pools():
-    cfg = _cfg({"trainer": {"rollout_pool_size": 1}, "data": {"train_batch_size": 4},
+    cfg = _cfg({"pipeline": {"rollout_pool_size": 1}, "data": {"train_batch_size": 4},
                 "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}, "rollout": {"n": 2}},
                 "algorithm": {"adv_estimator": "grpo"}})
     plan = plan_run(cfg, 3, notice=None)
@@ -150,7 +150,7 @@ def test_the_fast_path_is_the_default_on_cpu_and_said_once():
     ({"actor_rollout_ref__actor__tensor_model_parallel_size": 2, "actor_rollout_ref__ref__tensor_model_parallel_size": 2},
      {**FAST, "actor_rollout_ref.model.use_fused_layers": False}),
     # a rollout pool of its own holds no actor to re-send discarded weights
-    ({"trainer__rollout_pool_size": 1}, {**FAST, "actor_rollout_ref.rollout.sleep_level": 1}),
+    ({"pipeline__rollout_pool_size": 1}, {**FAST, "actor_rollout_ref.rollout.sleep_level": 1}),
 ])
 def test_fast_path_rules(change, expect):
     plan = plan_run(_cfg(_with(GRPO, trainer__device="cpu", **change)), 2, notice=None)

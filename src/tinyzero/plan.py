@@ -46,7 +46,7 @@ class RunPlan:
     engine: str = "native"
     """The rollout engine ("auto" resolved)."""
     asynchronous: bool = False
-    """The rollout runs on its own pool, ahead of training (trainer.max_staleness / rollout_pool_size)."""
+    """The rollout runs on its own pool, ahead of training (pipeline.max_staleness / rollout_pool_size)."""
     hf_config: Any = None
     """The policy model's HF config (None when planned without reading the model)."""
     fast_path: dict[str, Any] = field(default_factory=dict)
@@ -73,10 +73,10 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
     if cfg.trainer.mode != "ppo":
         return _plan_supervised(resolved, world_size)
     arr = resolved.actor_rollout_ref
-    if arr.rollout.name == "vllm" and resolved.trainer.placement != "colocate":
+    if arr.rollout.name == "vllm" and resolved.pipeline.placement != "colocate":
         raise ConfigError("actor_rollout_ref.rollout.name='vllm' runs one engine on every rank of the torchrun "
-                          "world; set trainer.placement=colocate (or rollout.name=native for a split placement)")
-    asynchronous = bool(resolved.trainer.max_staleness or resolved.trainer.rollout_pool_size)
+                          "world; set pipeline.placement=colocate (or rollout.name=native for a split placement)")
+    asynchronous = bool(resolved.pipeline.max_staleness or resolved.pipeline.rollout_pool_size)
     fast_path = choose_fast_path(resolved, engine, asynchronous, world_size)
     _say_fast_path(fast_path, notice)
     if asynchronous:
@@ -85,7 +85,7 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
     else:
         actor_size, _ = pool_sizes(resolved, world_size)
         policy = rollout = tuple(range(actor_size))
-        others = policy if resolved.trainer.placement == "colocate" else tuple(range(actor_size, world_size))
+        others = policy if resolved.pipeline.placement == "colocate" else tuple(range(actor_size, world_size))
     pools: dict[str, tuple[int, ...]] = {"actor": policy, "rollout": rollout}
     n, responses = arr.rollout.n, resolved.data.train_batch_size * arr.rollout.n
     what = "data.train_batch_size x rollout.n responses"
@@ -224,7 +224,7 @@ def _rollout_tp(resolved: Config, world_size: int) -> int:
     if rollout.multi_turn.enable or rollout.native_compile or rollout.native_impl == "hf" or (
             model.lora_rank and not rollout.lora_merge):
         return 1
-    pool = world_size if resolved.trainer.placement == "colocate" else pool_sizes(resolved, world_size)[0]
+    pool = world_size if resolved.pipeline.placement == "colocate" else pool_sizes(resolved, world_size)[0]
     one_host = pool <= int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return pool if pool > 1 and one_host else 1
 
@@ -241,13 +241,13 @@ def _say_fast_path(chosen: dict[str, Any], notice) -> None:
 
 def _async_pools(resolved: Config, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(trainer pool, rollout pool) of the asynchronous pipeline: the rollout pool is the last ranks."""
-    size = resolved.trainer.rollout_pool_size or world_size // 2
+    size = resolved.pipeline.rollout_pool_size or world_size // 2
     if not 0 < size < world_size:
-        raise ConfigError(f"trainer.rollout_pool_size={resolved.trainer.rollout_pool_size} must leave ranks for the "
+        raise ConfigError(f"pipeline.rollout_pool_size={resolved.pipeline.rollout_pool_size} must leave ranks for the "
                           f"trainer pool (1..{world_size - 1}) with {world_size} ranks; the pipeline needs >= 2 ranks")
     try:
         rollout = policy_layouts(resolved.actor_rollout_ref, size, "rollout")["rollout"]
-        rollout.check_rows(resolved.data.train_batch_size, f"data.train_batch_size on trainer.rollout_pool_size="
+        rollout.check_rows(resolved.data.train_batch_size, f"data.train_batch_size on pipeline.rollout_pool_size="
                            f"{size} ranks", "data.train_batch_size")
     except LayoutError as e:
         raise ConfigError(str(e)) from None
@@ -402,12 +402,12 @@ def convert_global_micro_batches(cfg: Config, dims: dict[str, ParallelDims]) -> 
 
 def pool_sizes(cfg: Config, world_size: int) -> tuple[int, int]:
     """(actor pool size, critic pool size) for the placement."""
-    if cfg.trainer.placement == "colocate":
+    if cfg.pipeline.placement == "colocate":
         return world_size, world_size
     if world_size < 2:
-        raise ConfigError('trainer.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
-    actor = cfg.trainer.actor_pool_size or world_size // 2
+        raise ConfigError('pipeline.placement="split" needs at least 2 ranks; use "colocate" or more ranks')
+    actor = cfg.pipeline.actor_pool_size or world_size // 2
     if not 0 < actor < world_size:
-        raise ConfigError(f"trainer.actor_pool_size={cfg.trainer.actor_pool_size} must leave ranks for the critic "
+        raise ConfigError(f"pipeline.actor_pool_size={cfg.pipeline.actor_pool_size} must leave ranks for the critic "
                          f"(1..{world_size - 1}) with {world_size} ranks")
     return actor, world_size - actor

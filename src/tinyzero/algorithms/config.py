@@ -70,7 +70,7 @@ class RolloutCorrectionConfig:
     """veRL's off-policy corrections between the rollout engine's policy and the trainer's
     (`algorithm.rollout_correction`), carried onto tinyzero's settings when the config is built:
     rollout_is="token" is actor_rollout_ref.actor.tis_imp_ratio_cap=rollout_is_threshold,
-    rollout_rs="seq_mean_k1" is trainer.rollout_rs_threshold=rollout_rs_threshold, and bypass_mode=true
+    rollout_rs="seq_mean_k1" is pipeline.rollout_rs_threshold=rollout_rs_threshold, and bypass_mode=true
     is actor_rollout_ref.rollout.use_rollout_log_probs=true."""
 
     rollout_is: Literal["token"] | None = None

@@ -6,6 +6,7 @@ keys (verl). What a run derives from it on a world of ranks is the run plan (tin
     from tinyzero.cli import parse_args
 """
 
+from tinyzero.config.pipeline import PipelineConfig
 from tinyzero.config.reliability import ReliabilityConfig
 from tinyzero.config.root import (
     MODES,
@@ -18,5 +19,5 @@ from tinyzero.config.root import (
     nearest,
 )
 
-__all__ = ["MODES", "Config", "ConfigError", "DPOConfig", "ReliabilityConfig", "TrainerConfig", "check_config", "check_model_context",
+__all__ = ["MODES", "Config", "ConfigError", "DPOConfig", "PipelineConfig", "ReliabilityConfig", "TrainerConfig", "check_config", "check_model_context",
            "nearest"]

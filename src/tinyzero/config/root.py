@@ -16,6 +16,7 @@ from typing import Literal
 from tinyzero.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator_spec
 from tinyzero.algorithms.config import AlgorithmConfig
 from tinyzero.algorithms.distill import DistillConfig
+from tinyzero.config.pipeline import PipelineConfig
 from tinyzero.config.reliability import ReliabilityConfig
 from tinyzero.config.tuning import TuningConfig
 from tinyzero.data.config import DataConfig
@@ -34,7 +35,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainerConfig:
-    """The run itself: length, logging, validation, checkpoints, placement (veRL: `trainer`)."""
+    """The run itself: length, logging, validation, checkpoints (veRL: `trainer`)."""
 
     mode: Literal["ppo", "sft", "rm", "dpo"] = "ppo"
     """What to train: "ppo" (any RL estimator: GAE/PPO, GRPO, RLOO, ...), "sft", "rm" (Bradley-Terry
@@ -60,41 +61,6 @@ class TrainerConfig:
     checked against it: n_gpus_per_node x nnodes must equal the torchrun world size. None: not checked."""
     nnodes: int | None = None
     """veRL's node count, checked with n_gpus_per_node against torchrun's world (None counts as 1)."""
-    placement: Literal["colocate", "split"] = "colocate"
-    """"colocate": actor/rollout, ref, critic and reward model share every rank (one process per rank
-    holds them all). "split": actor/rollout/ref on the first `actor_pool_size` ranks, critic and
-    reward model on the rest; the critic's values and update run while the policy pool computes
-    log-probs and updates the actor."""
-    actor_pool_size: int = 0
-    """Split placement only: ranks of the actor pool (0 = half the world)."""
-    max_staleness: int = 0
-    """Asynchronous RL (tinyzero.trainer.async_pipeline): the rollout pool generates up to this many
-    batches ahead of the trainer pool, so samples are at most this many actor updates old (1 =
-    veRL's one-step off-policy). 0 (default): on-policy; the synchronous loop unless
-    rollout_pool_size > 0. Needs an off-policy correction (actor_rollout_ref.actor.tis_imp_ratio_cap
-    > 0 or actor_rollout_ref.rollout.use_rollout_log_probs=true) unless allow_uncorrected_staleness."""
-    rollout_pool_size: int = 0
-    """Ranks of the rollout pool of the asynchronous pipeline (the last ranks; actor, reference and
-    critic share the others). 0 = half the world when max_staleness > 0; > 0 with max_staleness=0
-    runs the pipeline on-policy (generation and training take turns on their own pools)."""
-    allow_uncorrected_staleness: bool = False
-    """Accept max_staleness > 0 without an off-policy correction (stale samples trained as on-policy)."""
-    rollout_rs_threshold: float = 0.0
-    """Asynchronous pipeline: sequence-level masked importance sampling (veRL's rollout rejection,
-    seq_mean_k1). A response whose geometric-mean ratio exp(mean_t(log pi_old - log pi_rollout))
-    leaves [1/threshold, threshold] is masked out of the update; the trainer's old log-probs are then
-    computed in their own pass. 0 = off; e.g. 2.0. Logged as rollout_corr/rollout_rs_seq_masked_fraction
-    (responses dropped) and rollout_corr/rollout_rs_masked_fraction (their share of the tokens)."""
-    partial_rollout: bool = False
-    """Asynchronous pipeline (max_staleness > 0): partial rollouts. A generation running while the
-    trainer pool updates decodes in segments of partial_rollout_chunk tokens and takes the new weights
-    at the first segment boundary after they are sent, continuing the unfinished rows under them
-    (tinyzero.rollout.partial). Each token records the version that sampled it
-    (rollout_token_versions) and keeps the rollout log-prob of that version. Off: a generation runs
-    on the weights it started with."""
-    partial_rollout_chunk: int = 64
-    """Partial rollouts: new tokens per decoding segment (each later segment re-prefills prompt +
-    response so far); smaller takes new weights sooner at the cost of more prefills."""
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts learning (GAE only)."""
     balance_batch: bool = True
@@ -139,12 +105,6 @@ class TrainerConfig:
             if name not in known:
                 raise ConfigError(f"trainer.logger has unknown entry {name!r}{nearest(name, known)}; "
                                  f"choose from {list(known)}")
-        for name in ("max_staleness", "rollout_pool_size", "rollout_rs_threshold"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"trainer.{name} must be >= 0 (got {getattr(self, name)})")
-        if self.partial_rollout_chunk < 1:
-            raise ConfigError(f"trainer.partial_rollout_chunk must be >= 1 (got {self.partial_rollout_chunk}); "
-                              "e.g. 64 new tokens per decoding segment")
         for name in ("total_epochs",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1 (got {getattr(self, name)})")
@@ -198,7 +158,9 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator and KL control."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """The run: length, logging, checkpoints, placement."""
+    """The run: length, logging, validation, checkpoints."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Where the roles run (one pool or split pools) and the asynchronous pipeline (staleness, partial rollouts)."""
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     """Timeouts, the hang watchdog, saving on signals, non-finite steps, resuming with a changed config."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
@@ -258,41 +220,41 @@ def check_lora(cfg: Config) -> None:
 
 def check_distill(cfg: Config) -> None:
     """On-policy distillation runs in the synchronous PPO-family loop (tinyzero.algorithms.distill)."""
-    t = cfg.trainer
+    t = cfg.pipeline
     if cfg.distill.enabled and (t.max_staleness or t.rollout_pool_size):
-        raise ConfigError("distill.teacher_path with the asynchronous pipeline (trainer.max_staleness / "
+        raise ConfigError("distill.teacher_path with the asynchronous pipeline (pipeline.max_staleness / "
                           "rollout_pool_size) is not supported; set both to 0, or distill.teacher_path=''")
 
 
 def check_async(cfg: Config) -> None:
-    """The asynchronous pipeline (trainer.max_staleness / rollout_pool_size; see trainer.async_pipeline)."""
-    t, arr = cfg.trainer, cfg.actor_rollout_ref
+    """The asynchronous pipeline (pipeline.max_staleness / rollout_pool_size; see trainer.async_pipeline)."""
+    t, arr = cfg.pipeline, cfg.actor_rollout_ref
     if t.partial_rollout and not t.max_staleness:
-        raise ConfigError("trainer.partial_rollout=true continues generations across weight updates, which "
-                          "happen during generation only with trainer.max_staleness >= 1; set max_staleness=1 "
+        raise ConfigError("pipeline.partial_rollout=true continues generations across weight updates, which "
+                          "happen during generation only with pipeline.max_staleness >= 1; set max_staleness=1 "
                           "or partial_rollout=false")
     if not (t.max_staleness or t.rollout_pool_size):
         if t.rollout_rs_threshold:
-            raise ConfigError(f"trainer.rollout_rs_threshold={t.rollout_rs_threshold} applies to the asynchronous "
-                              "pipeline only; set trainer.max_staleness >= 1 or rollout_rs_threshold=0")
+            raise ConfigError(f"pipeline.rollout_rs_threshold={t.rollout_rs_threshold} applies to the asynchronous "
+                              "pipeline only; set pipeline.max_staleness >= 1 or rollout_rs_threshold=0")
         return
-    what = f"trainer.max_staleness={t.max_staleness}, trainer.rollout_pool_size={t.rollout_pool_size}"
+    what = f"pipeline.max_staleness={t.max_staleness}, pipeline.rollout_pool_size={t.rollout_pool_size}"
     if arr.rollout.name == "vllm":
         raise ConfigError(f"{what}: vLLM (external_launcher) needs every rank of the world, but the pipeline runs "
                           "the rollout on its own pool; set actor_rollout_ref.rollout.name=native")
     if t.placement != "colocate":
         raise ConfigError(f"{what}: the pipeline splits rollout and training itself (actor, reference and critic "
-                          "share the trainer pool); leave trainer.placement=colocate")
+                          "share the trainer pool); leave pipeline.placement=colocate")
     if t.rollout_rs_threshold and (t.rollout_rs_threshold <= 1 or arr.rollout.use_rollout_log_probs):
-        raise ConfigError(f"trainer.rollout_rs_threshold={t.rollout_rs_threshold}: set a value > 1 (e.g. 2.0), and "
+        raise ConfigError(f"pipeline.rollout_rs_threshold={t.rollout_rs_threshold}: set a value > 1 (e.g. 2.0), and "
                           "leave actor_rollout_ref.rollout.use_rollout_log_probs=false (the ratio compares the "
                           "trainer's old policy with the rollout policy; bypass mode makes them one)")
     corrected = arr.actor.tis_imp_ratio_cap > 0 or arr.rollout.use_rollout_log_probs or t.rollout_rs_threshold > 0
     if t.max_staleness and not corrected and not t.allow_uncorrected_staleness:
-        raise ConfigError(f"trainer.max_staleness={t.max_staleness} trains on samples of an older policy: set "
+        raise ConfigError(f"pipeline.max_staleness={t.max_staleness} trains on samples of an older policy: set "
                           "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0 (truncated importance sampling) or "
                           "actor_rollout_ref.rollout.use_rollout_log_probs=true (the rollout policy as the PPO old "
-                          "policy), or trainer.allow_uncorrected_staleness=true to train without a correction")
+                          "policy), or pipeline.allow_uncorrected_staleness=true to train without a correction")
     unsupported = {"algorithm.filter_groups.enable": cfg.algorithm.filter_groups.enable,
                    "actor_rollout_ref.model.lora_rank": arr.model.lora_rank,
                    f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline rollout)":
@@ -300,7 +262,7 @@ def check_async(cfg: Config) -> None:
     for name, value in unsupported.items():
         if value:
             raise ConfigError(f"{what}: {name} is not supported by the asynchronous pipeline; turn it off or "
-                              "set trainer.max_staleness=0 and trainer.rollout_pool_size=0")
+                              "set pipeline.max_staleness=0 and pipeline.rollout_pool_size=0")
 
 
 def apply_rollout_correction(cfg: Config) -> None:
@@ -313,7 +275,7 @@ def apply_rollout_correction(cfg: Config) -> None:
         override(arr.actor, "tis_imp_ratio_cap", rc.rollout_is_threshold, "actor_rollout_ref.actor.tis_imp_ratio_cap",
                  why)
     if rc.rollout_rs == "seq_mean_k1":
-        override(cfg.trainer, "rollout_rs_threshold", rc.rollout_rs_threshold, "trainer.rollout_rs_threshold", why)
+        override(cfg.trainer, "rollout_rs_threshold", rc.rollout_rs_threshold, "pipeline.rollout_rs_threshold", why)
     if rc.bypass_mode:
         override(arr.rollout, "use_rollout_log_probs", True, "actor_rollout_ref.rollout.use_rollout_log_probs", why)
 

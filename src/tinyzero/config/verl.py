@@ -327,9 +327,9 @@ KEYS: dict[str, Rule] = {
     "critic.profiler.*": _ignore(PROFILE),
     # ---- reward model and reward manager
     "reward_model.enable_resource_pool": _refuse("the reward model shares the critic's ranks",
-                                                 "trainer.placement=split", False),
-    "reward_model.n_gpus_per_node": _ignore("the reward model runs on the critic's ranks (trainer.placement)"),
-    "reward_model.nnodes": _ignore("the reward model runs on the critic's ranks (trainer.placement)"),
+                                                 "pipeline.placement=split", False),
+    "reward_model.n_gpus_per_node": _ignore("the reward model runs on the critic's ranks (pipeline.placement)"),
+    "reward_model.nnodes": _ignore("the reward model runs on the critic's ranks (pipeline.placement)"),
     "reward_model.strategy": _convert(_strategy("reward_model"), "FSDP2"),
     "reward_model.model.input_tokenizer": _rename("reward_model.input_tokenizer"),
     "reward_model.model.fsdp_config.*": _rename("reward_model.fsdp_config.*"),

@@ -1,6 +1,6 @@
 """Partial rollouts: a generation that takes new weights between segments and goes on under them.
 
-With `trainer.partial_rollout` the asynchronous pipeline (tinyzero.trainer.async_pipeline) wraps
+With `pipeline.partial_rollout` the asynchronous pipeline (tinyzero.trainer.async_pipeline) wraps
 the rollout pool's engine in `PartialRollout`. A training generation during which the trainer pool
 publishes weight version v (the batch's meta_info["partial_rollout_version"] = v) decodes in
 segments of `chunk` new tokens. At every segment boundary it asks its `WeightSource` whether v has
@@ -52,7 +52,7 @@ class PartialRollout:
 
     def __init__(self, engine, chunk: int, source: WeightSource):
         if chunk < 1:
-            raise ValueError(f"PartialRollout: chunk={chunk} must be >= 1 (trainer.partial_rollout_chunk)")
+            raise ValueError(f"PartialRollout: chunk={chunk} must be >= 1 (pipeline.partial_rollout_chunk)")
         self.engine, self.chunk, self.source = engine, chunk, source
         self.held_version: int | None = None  # the newest version loaded by take_weights
         self.held_checksum = 0.0               # float64 checksum of the engine's copy of it

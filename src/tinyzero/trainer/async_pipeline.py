@@ -1,6 +1,6 @@
 """Asynchronous RL in one torchrun world: a rollout pool generates while the trainer pool trains.
 
-`trainer.max_staleness=K` (K >= 1; or `trainer.rollout_pool_size > 0` with K=0 for the same pools
+`pipeline.max_staleness=K` (K >= 1; or `pipeline.rollout_pool_size > 0` with K=0 for the same pools
 on-policy) puts a rollout-only ActorRolloutRefWorker (native engine) on the last
 `rollout_pool_size` ranks and the actor, reference and critic on the others. Every rank runs
 the same driver (SPMD). Worker calls compute on their pool at call time and hand their result
@@ -28,7 +28,7 @@ generating and loading weights / step time), async/trainer_idle_frac (the traine
 generations / step time), async/weight_version, async/weight_checksum/{trainer,rollout} (float64
 sums of the weights sent and of the engine's copy).
 
-Partial rollouts (trainer.partial_rollout): the generation issued in step 3 decodes in segments
+Partial rollouts (pipeline.partial_rollout): the generation issued in step 3 decodes in segments
 (rollout/partial.py), and the trainer pool sends version k right after its update (push_weights,
 before any result crosses pools) instead of in step 4. The rollout ranks take it at their next
 segment boundary and continue the unfinished rows under it (or take it when their generation ends).
@@ -100,11 +100,11 @@ def build_async_roles(plan):
         if name in wgs:
             wgs[name].init_model()
     rollout.init_model()
-    if cfg.trainer.partial_rollout and rollout.is_local:
+    if cfg.pipeline.partial_rollout and rollout.is_local:
         from tinyzero.rollout.partial import PartialRollout
 
         worker = rollout.worker
-        worker.rollout = PartialRollout(worker.rollout, cfg.trainer.partial_rollout_chunk,
+        worker.rollout = PartialRollout(worker.rollout, cfg.pipeline.partial_rollout_chunk,
                                         BridgeSource(bridge, worker.device))
     flush_pending()  # deliver the init results now: nothing may be left crossing pools before the first sync
     roles = Roles(actor_rollout=wgs["actor_rollout"], critic=wgs.get("critic"), reward_model=wgs.get("reward_model"),
@@ -124,14 +124,14 @@ def sample_versions(token_versions: torch.Tensor, default: int) -> tuple[np.ndar
 
 
 class AsyncPPOTrainer(PPOTrainer):
-    """PPOTrainer whose generations come from a rollout pool, up to trainer.max_staleness updates ahead."""
+    """PPOTrainer whose generations come from a rollout pool, up to pipeline.max_staleness updates ahead."""
 
     def __init__(self, *args, rollout, bridge_ranks: list[int], **kwargs):
         super().__init__(*args, **kwargs)
         self.rollout_wg = rollout
         self.bridge_ranks = bridge_ranks
-        self.max_staleness = self.config.trainer.max_staleness
-        self.partial = self.config.trainer.partial_rollout
+        self.max_staleness = self.config.pipeline.max_staleness
+        self.partial = self.config.pipeline.partial_rollout
         self.queue: deque[Flight] = deque()
         self.next_index = 1         # the step the next drawn batch is for
         self.policy_version = 0     # actor updates applied
@@ -166,15 +166,15 @@ class AsyncPPOTrainer(PPOTrainer):
         return metrics
 
     def old_log_prob_source(self) -> str:
-        """"actor" when trainer.rollout_rs_threshold is set: the sequence ratio needs the trainer's old
+        """"actor" when pipeline.rollout_rs_threshold is set: the sequence ratio needs the trainer's old
         log-probs before the update; otherwise as in the synchronous loop."""
-        return "actor" if self.config.trainer.rollout_rs_threshold > 0 else super().old_log_prob_source()
+        return "actor" if self.config.pipeline.rollout_rs_threshold > 0 else super().old_log_prob_source()
 
     def forward_passes(self, batch: DataProto, timing: dict, metrics: dict) -> DataProto:
-        """The trainer pool's passes; then, with trainer.rollout_rs_threshold, sequence-level masked
+        """The trainer pool's passes; then, with pipeline.rollout_rs_threshold, sequence-level masked
         importance sampling: responses whose sequence ratio is out of bounds leave the update."""
         batch = super().forward_passes(batch, timing, metrics)
-        threshold = self.config.trainer.rollout_rs_threshold
+        threshold = self.config.pipeline.rollout_rs_threshold
         if threshold > 0:
             mask = batch.batch["response_mask"]  # (rows, R)
             keep = seq_mis_keep(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], mask, threshold)
@@ -237,7 +237,7 @@ class AsyncPPOTrainer(PPOTrainer):
         staleness = self.policy_version - flight.version
         if not 0 <= staleness <= self.max_staleness:
             raise RuntimeError(f"async pipeline: step {self.global_step} would train on weights {staleness} updates "
-                               f"old (trainer.max_staleness={self.max_staleness})")
+                               f"old (pipeline.max_staleness={self.max_staleness})")
         start = time.perf_counter()
         gen = materialize(flight.gen)
         self._clock["wait_gen"] += time.perf_counter() - start

@@ -3,7 +3,7 @@
     trainer = build_ppo_trainer(cfg)   # every rank, after init_distributed()
     trainer.fit()
 
-Placement ("trainer.placement"): "colocate" puts actor/rollout/ref, critic and reward model in
+Placement ("pipeline.placement"): "colocate" puts actor/rollout/ref, critic and reward model in
 one process per rank on one pool (create_colocated_worker_cls); "split" puts the policy on
 the first ranks and critic + reward model on the rest, so the critic's values and update overlap
 the policy's log-probs and update (PPOTrainer.forward_passes / update_models).
@@ -67,7 +67,7 @@ def build_roles(plan: RunPlan) -> Roles:
     """Create the pools and worker groups and initialise their models (critic and RM first, policy last)."""
     cfg = plan.config
     classes = role_classes(plan, "actor_rollout_ref" if cfg.use_reference else "actor_rollout")
-    if cfg.trainer.placement == "colocate":
+    if cfg.pipeline.placement == "colocate":
         pool = ResourcePool(ranks=list(plan.pools["actor"]))
         wgs = WorkerGroup(resource_pool=pool, cls_with_init=create_colocated_worker_cls(classes)).spawn(
             prefix_set=set(classes))

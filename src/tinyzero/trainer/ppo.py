@@ -118,7 +118,7 @@ class PPOTrainer(Driver):
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         source = self.old_log_prob_source()
         batch.meta_info["old_log_probs_source"] = source
-        # Every pass is called before any result is read: with trainer.placement=split the critic's
+        # Every pass is called before any result is read: with pipeline.placement=split the critic's
         # values are computed while the policy pool computes log-probs (results cross pools at the union).
         outs = []
         if source == "actor":
@@ -263,7 +263,7 @@ class PPOTrainer(Driver):
 
     def update_models(self, batch: DataProto, timing: dict, metrics: dict) -> None:
         """The critic update, then the actor update (after critic_warmup steps). Both are called before
-        either result is read, so with trainer.placement=split the two pools update at the same time."""
+        either result is read, so with pipeline.placement=split the two pools update at the same time."""
         critic = self.update_critic(batch, timing)
         actor = self.update_actor(batch, timing)
         if critic is not None:

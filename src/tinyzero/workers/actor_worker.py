@@ -150,7 +150,7 @@ class ActorRolloutRefWorker(Worker):
         if self.world_size != world:
             raise ValueError(f"rollout.name='vllm' runs one engine per rank of the whole torchrun world "
                              f"({world} ranks), but the rollout pool has {self.world_size}; set "
-                             f"trainer.placement=colocate (or rollout.name=native for a split placement)")
+                             f"pipeline.placement=colocate (or rollout.name=native for a split placement)")
 
     def _stop_token_ids(self) -> list[int]:
         """End-of-sequence ids: the generation config's (it may list several) and the tokenizer's."""
