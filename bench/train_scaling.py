@@ -316,13 +316,10 @@ def cpu_scaling(args) -> dict:
 
 
 def model_flops_per_token(cfg, seq: int) -> float:
-    """Training FLOPs per token: 6 x matmul params (layers + lm_head) + causal attention scores."""
-    h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k, v, o, gate/up/down
-    matmul_params = layers * per_layer + cfg.vocab_size * h
-    attention = 6 * layers * h * seq  # 12 * L * h * seq, halved by the causal mask
-    return 6.0 * matmul_params + attention
+    """Training FLOPs per token by the model's family (tinyzero.models.families), as perf/mfu/actor counts them."""
+    from tinyzero.models.families import family_of
+
+    return family_of(cfg).flops_per_token(cfg, seq)
 
 
 def mfu_model_config(dry: bool):

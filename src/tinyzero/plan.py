@@ -271,10 +271,10 @@ def _split_decode_or_not(plan: RunPlan, hf_config: Any) -> RunPlan:
     tp = plan.fast_path.get(key, 1)
     if tp <= 1:
         return plan
-    from tinyzero.rollout.native.decoder import FUSED_MODEL_TYPES
+    from tinyzero.models.families import family_of
 
     intermediate = getattr(hf_config, "intermediate_size", None)
-    if getattr(hf_config, "model_type", None) in FUSED_MODEL_TYPES and intermediate and intermediate % tp == 0:
+    if family_of(hf_config).fused_decoder and intermediate and intermediate % tp == 0:
         return plan
     rollout = plan.config.actor_rollout_ref.rollout
     rollout.tensor_model_parallel_size = 1

@@ -42,8 +42,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
+from tinyzero.models.families import ModelFamily, family_of
+
 _HEADS = ("score",)  # scalar heads of value (token classification) and reward (sequence classification) models
 
 
@@ -100,27 +100,29 @@ def _check_linear(layer: nn.Module, names: tuple[str, ...], where: str) -> None:
                              "tensor_model_parallel_size > 1)")
 
 
-def _block_plan(layer: nn.Module, where: str) -> dict[str, ParallelStyle]:
+def _block_plan(layer: nn.Module, where: str, family: ModelFamily) -> dict[str, ParallelStyle]:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         raise ValueError(f"{where} has no self_attn / mlp; tensor parallelism supports Llama-family and Qwen2/Qwen3")
-    _check_linear(attn, _ATTN, f"{where}.self_attn")
-    _check_linear(mlp, _MLP, f"{where}.mlp")
+    _check_linear(attn, family.attention, f"{where}.self_attn")
+    _check_linear(mlp, family.mlp, f"{where}.mlp")
+    q, k, v, o = family.attention
+    gate, up, down = family.mlp
     plan: dict[str, ParallelStyle] = {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                         desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                         use_local_output=True),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"self_attn.{q}": ColwiseParallel(),
+        f"self_attn.{k}": ColwiseParallel(),
+        f"self_attn.{v}": ColwiseParallel(),
+        f"self_attn.{o}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                   use_local_output=True),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"mlp.{gate}": ColwiseParallel(),
+        f"mlp.{up}": ColwiseParallel(),
+        f"mlp.{down}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
     for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over head_dim of (batch, seq, local heads, head_dim)
         if isinstance(getattr(attn, norm, None), nn.Module):
@@ -131,6 +133,7 @@ def _block_plan(layer: nn.Module, where: str) -> dict[str, ParallelStyle]:
 def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """Module path -> ParallelStyle for a HF causal LM, value or reward model (see the module docstring)."""
     backbone = _backbone(model)
+    family = family_of(model)
     prefix = getattr(model, "base_model_prefix", "model")
     plan: dict[str, ParallelStyle] = {
         f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
@@ -139,7 +142,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     }
     for i, layer in enumerate(backbone.layers):
         where = f"{prefix}.layers.{i}"
-        plan |= {f"{where}.{k}": v for k, v in _block_plan(layer, where).items()}
+        plan |= {f"{where}.{k}": v for k, v in _block_plan(layer, where, family).items()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         name = next(n for n, m in model.named_modules() if m is head)

@@ -125,13 +125,10 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, 
 
 
 def model_flops_per_token(hf_config, seq_len: float) -> float:
-    """Training FLOPs per token of a Llama-family decoder: 6 x matmul params + causal attention."""
-    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
-    inter = getattr(hf_config, "intermediate_size", 4 * h)
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", heads) * (h // heads)
-    matmul_params = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + hf_config.vocab_size * h
-    return 6.0 * matmul_params + 6.0 * layers * h * seq_len  # attention: 12 L h s, halved by the mask
+    """Training FLOPs per token at `seq_len`, by the model's family (tinyzero.models.families)."""
+    from tinyzero.models.families import family_of
+
+    return family_of(hf_config).flops_per_token(hf_config, seq_len)
 
 
 def compute_mfu_metrics(batch: DataProto, timing: dict[str, float], hf_config, num_ranks: int, ppo_epochs: int,

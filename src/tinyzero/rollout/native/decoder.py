@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyzero.models.families import family_of, fused_model_types
 from tinyzero.rollout.native.attention import (
     attention_mask,
     decode_attention,
@@ -82,14 +83,13 @@ from tinyzero.rollout.native.fused_ops import (
 from tinyzero.rollout.native.hf_decoder import HFDecoder
 from tinyzero.rollout.native.kv_cache import GroupKVCache, KVCache
 
-FUSED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-
 
 def fused_supported(model: nn.Module) -> str | None:
-    """None if the fused decoder can run this model, else the reason it cannot."""
+    """None if the fused decoder can run this model, else the reason it cannot (the model families that
+    declare it: tinyzero.models.families)."""
     cfg = model.config
-    if getattr(cfg, "model_type", None) not in FUSED_MODEL_TYPES:
-        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {FUSED_MODEL_TYPES}"
+    if not family_of(cfg).fused_decoder:
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {fused_model_types()}"
     layer_types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or (
         getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
