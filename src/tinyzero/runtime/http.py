@@ -1,4 +1,4 @@
-"""HTTP plumbing shared by the remote rollout engine (rollout/remote.py) and remote judges: one JSON call, its errors.
+"""HTTP plumbing shared by the remote rollout engine (rollout/remote/engine.py) and remote judges: one JSON call, its errors.
 
 `http_json` makes one call and sorts its failures: `Transient` for those worth retrying (connection
 refused / reset / closed, a read timeout, HTTP 5xx, 408, 429, a reply that is not JSON), `HTTPStatus`
