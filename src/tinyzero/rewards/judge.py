@@ -82,6 +82,11 @@ def _load_hf(path: str, dtype: str, device: torch.device):
     return _HF_MODELS[key]
 
 
+def default_device() -> torch.device:
+    """Where an in-process judge runs unless told: this rank's current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def render_conversation(tokenizer, messages: list[dict]) -> tuple[str, bool]:
     """(text, add_special_tokens): the chat template with a generation prompt where the tokenizer has one
     (its special tokens are in the text), else the contents joined by blank lines."""
@@ -94,9 +99,7 @@ class HFJudgeBackend:
     """A frozen HF causal LM on this rank, greedy, batched with left padding."""
 
     def __init__(self, config: JudgeConfig, device: torch.device | None = None):
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-                torch.device("cpu")
+        device = device if device is not None else default_device()
         self.config, self.device, self.name = config, device, f"the in-process judge {config.model_path}"
         self.tokenizer, self.model = _load_hf(config.model_path, config.dtype, device)
         gen = getattr(self.model, "generation_config", None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyzero.rewards.judge import JudgeError, render_conversation
+from tinyzero.rewards.judge import JudgeError, default_device, render_conversation
 from tinyzero.rewards.judge_config import JudgeConfig
 
 __all__ = ["EngineJudgeBackend"]
@@ -82,15 +82,12 @@ class EngineJudgeBackend:
     """A frozen judge on a rollout engine on this rank, greedy, batched (see the module docstring)."""
 
     def __init__(self, config: JudgeConfig, device: torch.device | None = None):
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-                torch.device("cpu")
-        self.config, self.device = config, device
+        self.config, self.device = config, device if device is not None else default_device()
         self.name = f"the in-process judge {config.model_path} ({config.engine} engine)"
-        key = (config.engine, config.model_path, config.dtype, str(device), config.max_prompt_length,
+        key = (config.engine, config.model_path, config.dtype, str(self.device), config.max_prompt_length,
                config.max_new_tokens, config.batch_size, config.gpu_memory_utilization)
         if key not in _ENGINES:
-            _ENGINES[key] = _build(config, device)
+            _ENGINES[key] = _build(config, self.device)
         self.tokenizer, self.end_ids, self.engine = _ENGINES[key]
 
     def generate(self, conversations: list[list[dict]]) -> list[str | JudgeError]:
