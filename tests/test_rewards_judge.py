@@ -4,17 +4,15 @@ against plain HF generate, and judge scores through the RewardManager into GRPO 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.judge_server import JudgeServer, judge_rule
 from tests.test_rewards_manager import _batch
 from tinyzero.algorithms.advantages import compute_grpo_outcome_advantage
 from tinyzero.rewards import RewardConfig, RewardManager
@@ -85,92 +83,6 @@ def test_judge_settings_from_the_command_line():
 
 
 # ---------------------------------------------------------------------------------------------- a judge server
-def judge_rule(user_text: str) -> str:
-    """The server's deterministic judgement: 10 when the answer section says 4, 2 otherwise; "???" (no score)
-    when the answer says "confuse"."""
-    answer = user_text.split("[Assistant's answer]\n", 1)[-1].split("\n\n", 1)[0]
-    if "confuse" in answer:
-        return "I cannot decide."
-    return "Correct.\nScore: 10" if re.search(r"\b4\b", answer) else "Wrong.\nScore: 2"
-
-
-class JudgeServer:
-    """A stdlib HTTP server speaking OpenAI's /v1/models, /v1/chat/completions and /v1/completions."""
-
-    def __init__(self, fail_first: int = 0, hang_s: float = 0.0, rule=judge_rule, api_key: str | None = None):
-        """api_key: every request must carry `Authorization: Bearer <api_key>`, else HTTP 401."""
-        self.fail_first, self.hang_s, self.rule, self.api_key = fail_first, hang_s, rule, api_key
-        self.authorizations: list[str | None] = []  # the Authorization header of every request
-        self.requests, self.in_flight, self.max_in_flight = 0, 0, 0
-        self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, code: int, body: dict):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _authorized(self) -> bool:
-                given = self.headers.get("Authorization")
-                with server.lock:
-                    server.authorizations.append(given)
-                if server.api_key is None or given == f"Bearer {server.api_key}":
-                    return True
-                self._reply(401, {"error": {"message": "invalid or missing API key", "code": 401}})
-                return False
-
-            def do_GET(self):
-                if self._authorized():
-                    self._reply(200, {"object": "list", "data": [{"id": "judge-model", "object": "model"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if not self._authorized():
-                    return
-                with server.lock:
-                    server.requests += 1
-                    n = server.requests
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                try:
-                    code, reply = self._answer(body, n)
-                finally:  # counted out before the reply goes: the client may send its next request at once
-                    with server.lock:
-                        server.in_flight -= 1
-                self._reply(code, reply)
-
-            def _answer(self, body: dict, n: int) -> tuple[int, dict]:
-                time.sleep(0.05)  # let requests overlap, so concurrency is observable
-                if server.hang_s:
-                    time.sleep(server.hang_s)
-                if n <= server.fail_first:
-                    return 503, {"error": "warming up"}
-                if body.get("model") != "judge-model" or body.get("temperature") != 0.0:
-                    return 400, {"error": f"bad request {body}"}
-                if self.path == "/v1/chat/completions":
-                    text = server.rule(body["messages"][-1]["content"])
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-                else:
-                    choice = {"index": 0, "text": server.rule(body["prompt"])}
-                return 200, {"object": "chat.completion", "choices": [choice]}
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def server():
     s = JudgeServer()
@@ -219,40 +131,6 @@ def test_a_hanging_judge_times_out_in_bounded_time():
         assert "timed out" in results[0]["error"] and s.url in results[0]["error"]
     finally:
         s.close()
-
-
-def test_the_api_key_named_by_api_key_env_is_sent_as_a_bearer_token(monkeypatch):
-    key = "sk-judge-0123456789"
-    s = JudgeServer(api_key=key)
-    try:
-        monkeypatch.setenv("TINYZERO_TEST_JUDGE_KEY", key)
-        judge = Judge(JudgeConfig(enable=True, url=s.url, api_key_env="TINYZERO_TEST_JUDGE_KEY", concurrency=2))
-        assert [r["score"] for r in judge.score(["q", "q"], ["4", "5"], [None, None])] == [1.0, 0.2]
-        assert s.authorizations == [f"Bearer {key}"] * 3  # /v1/models, then the two requests
-        # Without the key the server refuses (401 is not retried); a wrong key is refused too, and named nowhere.
-        [r] = Judge(JudgeConfig(enable=True, url=s.url, model="judge-model")).score(["q"], ["4"], [None])
-        assert r["judge"] == "failed" and "refused the request" in r["error"] and "HTTP 401" in r["error"]
-        monkeypatch.setenv("TINYZERO_TEST_JUDGE_KEY", "sk-wrong-key")
-        [r] = Judge(JudgeConfig(enable=True, url=s.url, model="judge-model", api_key_env="TINYZERO_TEST_JUDGE_KEY")
-                    ).score(["q"], ["4"], [None])
-        assert r["judge"] == "failed" and "HTTP 401" in r["error"] and "sk-wrong-key" not in r["error"]
-        assert s.authorizations[-2:] == [None, "Bearer sk-wrong-key"]
-    finally:
-        s.close()
-
-
-def test_an_api_key_env_without_a_key_stops_at_start_up(monkeypatch, tokenizer):
-    monkeypatch.delenv("TINYZERO_TEST_JUDGE_KEY", raising=False)
-    cfg = RewardConfig(judge=JudgeConfig(enable=True, url="http://127.0.0.1:9", api_key_env="TINYZERO_TEST_JUDGE_KEY"))
-    with pytest.raises(ValueError, match=r"^reward.judge.api_key_env=TINYZERO_TEST_JUDGE_KEY: the environment "
-                                         r"variable TINYZERO_TEST_JUDGE_KEY is not set; export") as e:
-        RewardManager(tokenizer, cfg)
-    assert "\n" not in str(e.value)
-    monkeypatch.setenv("TINYZERO_TEST_JUDGE_KEY", " ")
-    with pytest.raises(ValueError, match=r"variable TINYZERO_TEST_JUDGE_KEY is empty"):
-        RewardManager(tokenizer, cfg)
-    with pytest.raises(ValueError, match=r"must name an environment variable .*not hold the key"):
-        JudgeConfig(enable=True, url="http://127.0.0.1:9", api_key_env="JUDGE_KEY=sk-123")
 
 
 def test_a_dead_judge_is_named():
