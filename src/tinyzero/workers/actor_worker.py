@@ -33,17 +33,16 @@ from tinyzero.workers import checkpointing
 from tinyzero.workers.actor import PPOActor
 from tinyzero.workers.common import (
     base_only,
-    load_role_model,
     masked_mean_over_group,
     offload_after_init,
     on_device,
     peak_memory_gb,
+    prepare_role_model,
     response_mask_of,
 )
 from tinyzero.workers.config import ActorRolloutRefConfig, policy_layouts
-from tinyzero.workers.forward import attach_log_prob_method
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
-from tinyzero.workers.packing import packing_mode, prepare_attention
+from tinyzero.workers.packing import packing_mode
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +96,8 @@ class ActorRolloutRefWorker(Worker):
             model_config = dataclasses.replace(model_config, enable_gradient_checkpointing=False)
         if not trainable and model_config.lora_rank:  # a reference on its own pool: the base model
             model_config = dataclasses.replace(model_config, lora_rank=0)
-        model = load_role_model(self, model_config, fsdp_config, dims, "causal_lm", trainable=trainable)
-        if not trainable:
-            model.requires_grad_(False)
-        prepare_attention(model, packing_mode(model_config))
-        return attach_log_prob_method(model)
+        return prepare_role_model(self, model_config, fsdp_config, dims, "causal_lm", trainable=trainable,
+                                  packing=packing_mode(model_config))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):

@@ -1,7 +1,8 @@
 """Pieces every FSDP2 worker shares: its mesh, device residency around phases, tensor metrics.
 
-`load_role_model` loads one role's model sharded over the worker's pool with the layout of its
-ParallelDims (1-D over all pool ranks, or 2-D (dp_replicate, dp_shard) for hybrid sharding).
+`prepare_role_model` is the one ordered preparation of every role's model: built, parallelized and
+sharded over the worker's pool with the layout of its ParallelDims (1-D over all pool ranks, or 2-D
+(dp_replicate, dp_shard) for hybrid sharding), then made ready for the role's passes.
 `on_device` brings offloaded parameters (and optionally optimizer state) to the device for one
 phase and offloads them again after, when the FSDP config asks for offloading between phases.
 """
@@ -19,14 +20,30 @@ from tinyzero.workers.packing import PACKINGS, Packing
 from tinyzero.workers.scaling import all_reduce_sum
 
 
-def load_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: ParallelDims, kind: str,
-                    trainable: bool = True):
-    """Load one role's model over `worker`'s pool with the layout `dims` (tinyzero.distributed.parallel_dims): tensor
-    parallelism over its tp axis, FSDP2 over the rest. With sequence parallelism the model's attention
-    becomes Ulysses' and `model.sp_group` holds the group that splits a sequence (else None).
-    `trainable=False` for frozen roles (reference, scoring reward model): they may hold their weights in
-    the compute dtype; trained ones keep fp32 master weights (tinyzero.models.precision)."""
+def prepare_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: ParallelDims, kind: str,
+                       trainable: bool = True, packing: Packing = "none", forward_methods: bool = True) -> nn.Module:
+    """One role's model over `worker`'s pool with the layout `dims` (tinyzero.distributed.parallel_dims), ready
+    for its passes. `kind`: "causal_lm", "value" or "reward". The steps, in the order each needs:
+
+    1. built on the meta device with its LoRA adapters (parameters FSDP2 must shard with their layers);
+       only the mesh's source rank reads the weights (tinyzero.models.fsdp.load_sharded_model, steps 1-5);
+    2. fused layers (model.use_fused_layers) replace RMSNorm / SwiGLU modules before anything wraps them;
+    3. tensor parallelism over dims' tp axis turns the plain nn.Linear projections into DTensor shards;
+    4. activation checkpointing wraps each decoder layer: after TP (the recomputed forward is the sharded
+       one), before FSDP2 (its hooks stay outside the checkpoint);
+    5. FSDP2 over the rest of the layout, each decoder layer then the root (it shards what the steps above
+       made); the weights broadcast into the shards; CPU shared-memory collectives (tuning.shm_collectives);
+    6. Ulysses sequence parallelism: attention becomes the all-to-all kernel (heads per TP shard must split
+       over sp) and `model.sp_group` holds the group that splits a sequence (else None);
+    7. a frozen role (`trainable=False`: reference, teacher, scoring reward model) tracks no gradients and
+       may hold its weights in the compute dtype; trained ones keep fp32 master weights
+       (tinyzero.models.precision);
+    8. packed passes (`packing` != "none") switch attention to a kernel that takes the packed mask;
+    9. `forward_methods`: the pass FSDP2 treats like forward, `token_log_probs` (causal LM) or
+       `token_scores` (reward model); a value model's passes call forward itself."""
     from tinyzero.models.fsdp import load_sharded_model
+    from tinyzero.workers.forward import attach_log_prob_method, attach_score_method
+    from tinyzero.workers.packing import prepare_attention
 
     mesh = dims.build_mesh(worker.device_mesh)
     model = load_sharded_model(model_config, fsdp_config, dims.fsdp_mesh(mesh), kind=kind,
@@ -39,6 +56,13 @@ def load_role_model(worker, model_config, fsdp_config: FSDPConfig, dims: Paralle
         check_heads(cfg.num_attention_heads // dims.tp,
                     (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // dims.tp, dims.sp)
         model.set_attn_implementation(ULYSSES_ATTENTION)
+    if not trainable:
+        model.requires_grad_(False)
+    prepare_attention(model, packing)
+    if forward_methods and kind == "causal_lm":
+        model = attach_log_prob_method(model)
+    elif forward_methods and kind == "reward":
+        model = attach_score_method(model)
     return model
 
 

@@ -15,11 +15,11 @@ from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
-from tinyzero.workers.common import load_role_model, offload_after_init, on_device, peak_memory_gb
+from tinyzero.workers.common import offload_after_init, on_device, peak_memory_gb, prepare_role_model
 from tinyzero.workers.config import CriticConfig, role_layout
 from tinyzero.workers.critic import PPOCritic
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
-from tinyzero.workers.packing import packing_mode, prepare_attention
+from tinyzero.workers.packing import packing_mode
 
 
 class CriticWorker(Worker):
@@ -49,8 +49,7 @@ class CriticWorker(Worker):
 
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
-        model = load_role_model(self, cfg.model, cfg.fsdp_config, self.dims, "value")
-        prepare_attention(model, packing_mode(cfg.model))
+        model = prepare_role_model(self, cfg.model, cfg.fsdp_config, self.dims, "value", packing=packing_mode(cfg.model))
         optimizer = build_optimizer(model.parameters(), cfg.optim)
         scheduler = build_lr_scheduler(optimizer, cfg.optim)
         dp_group = self.dims.dp_group(self.device_mesh, self.process_group)

@@ -19,9 +19,14 @@ from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers.batching import make_micro_batches, restore_order
-from tinyzero.workers.common import load_role_model, offload_after_init, on_device, reshard, response_mask_of
+from tinyzero.workers.common import (
+    offload_after_init,
+    on_device,
+    prepare_role_model,
+    reshard,
+    response_mask_of,
+)
 from tinyzero.workers.config import RewardModelConfig, role_layout
-from tinyzero.workers.forward import attach_score_method
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -82,10 +87,7 @@ class RewardModelWorker(Worker):
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         if cfg.input_tokenizer:
             self.input_tokenizer = load_tokenizer(cfg.input_tokenizer, cfg.model.trust_remote_code)
-        model = load_role_model(self, cfg.model, cfg.fsdp_config, self.dims, "reward",
-                                trainable=False)
-        model.requires_grad_(False)
-        self.model = attach_score_method(model)
+        self.model = prepare_role_model(self, cfg.model, cfg.fsdp_config, self.dims, "reward", trainable=False)
         offload_after_init(self.model, cfg.fsdp_config)
 
     @torch.no_grad()

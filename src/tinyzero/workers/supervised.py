@@ -21,11 +21,11 @@ from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers import checkpointing
-from tinyzero.workers.common import load_role_model, reshard
+from tinyzero.workers.common import prepare_role_model, reshard
 from tinyzero.workers.config import role_layout
-from tinyzero.workers.forward import attach_log_prob_method, pack_batch, response_log_probs
+from tinyzero.workers.forward import pack_batch, response_log_probs
 from tinyzero.workers.optim import build_lr_scheduler, build_optimizer
-from tinyzero.workers.packing import packing_mode, prepare_attention
+from tinyzero.workers.packing import packing_mode
 from tinyzero.workers.scaling import all_reduce_sum
 from tinyzero.workers.update import optimizer_step
 
@@ -113,12 +113,11 @@ class SupervisedWorker(Worker):
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.resolved_tokenizer_path, cfg.model.trust_remote_code)
         fsdp = cfg.actor.fsdp_config
-        self.model = load_role_model(self, cfg.model, fsdp, self.dims, self.kind)
         if self.mode == "sft":
             # Packing applies to SFT's log-probs; the reward model's scores stay padded.
             self.packing = "remove_padding" if packing_mode(cfg.model) != "none" else "none"
-            prepare_attention(self.model, self.packing)
-            attach_log_prob_method(self.model)
+        self.model = prepare_role_model(self, cfg.model, fsdp, self.dims, self.kind, packing=self.packing,
+                                        forward_methods=self.mode == "sft")
         self.optimizer = build_optimizer(self.model.parameters(), cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim)
 

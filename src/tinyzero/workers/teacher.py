@@ -21,10 +21,9 @@ from tinyzero.distributed.parallel_dims import ParallelDims
 from tinyzero.protocol import DataProto
 from tinyzero.single_controller import Dispatch, Worker, register
 from tinyzero.workers.actor import PPOActor
-from tinyzero.workers.common import load_role_model, offload_after_init, on_device
+from tinyzero.workers.common import offload_after_init, on_device, prepare_role_model
 from tinyzero.workers.config import ActorRolloutRefConfig, role_layout
-from tinyzero.workers.forward import attach_log_prob_method
-from tinyzero.workers.packing import packing_mode, prepare_attention
+from tinyzero.workers.packing import packing_mode
 
 
 def teacher_model_config(model_config, distill: DistillConfig):
@@ -80,10 +79,8 @@ class TeacherWorker(Worker):
         cfg = self.config
         model_config = teacher_model_config(cfg.model, self.distill)
         fsdp = cfg.ref.fsdp_config
-        model = load_role_model(self, model_config, fsdp, self.dims, "causal_lm", trainable=False)
-        model.requires_grad_(False)
-        prepare_attention(model, packing_mode(model_config))
-        model = attach_log_prob_method(model)
+        model = prepare_role_model(self, model_config, fsdp, self.dims, "causal_lm", trainable=False,
+                                   packing=packing_mode(model_config))
         self.teacher = PPOActor(cfg.actor, model, dp_group=self.dims.dp_group(self.device_mesh, self.process_group),
                                 dp_size=self.dims.fsdp_size, device=self.device, packing=packing_mode(model_config))
         offload_after_init(model, fsdp)
