@@ -98,7 +98,6 @@ class EngineJudgeBackend:
         return replies
 
     def _generate_batch(self, conversations: list[list[dict]]) -> list[str | JudgeError]:
-        from tinyzero.data import compute_position_ids
         from tinyzero.protocol import DataProto
 
         rendered = [render_conversation(self.tokenizer, c) for c in conversations]
@@ -115,7 +114,7 @@ class EngineJudgeBackend:
         width = max(lengths[i] for i in fits)  # the rows that fit, without the padding only longer rows needed
         ids, mask = enc["input_ids"][fits, -width:], enc["attention_mask"][fits, -width:]  # (batch, width)
         batch = DataProto.from_dict(
-            {"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)},
+            {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0)},  # as the dataloader's
             meta_info={"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.end_ids, "n": 1,
                        "do_sample": False, "response_length": self.config.max_new_tokens})
         out = self.engine.generate_sequences(batch).batch
