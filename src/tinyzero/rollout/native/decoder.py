@@ -139,6 +139,7 @@ class FusedDecoder(TensorParallelDecoding):
         self.slot_ids = None  # (P+R,): with sharing, response slot t is passed as slot_ids[: P + t + 1] (a shape)
         self.step_pos = None  # (B, R) decode positions given to begin(); step_cos/step_sin: (R, B, 1, D)
         self.step_cos = self.step_sin = None
+        self.step_start = 0  # the cache slot of decode step 0 (P): decode step t writes slot P + t
         self.fused: list[dict] = []
         # Tensor parallelism (set_tensor_parallel): the MLPs and lm_head split over the group, attention by rows.
         self.comm = None  # tp_comm.ShmComm / DistComm of the engine's tensor-parallel group
@@ -256,8 +257,9 @@ class FusedDecoder(TensorParallelDecoding):
         (sequence, kv head) as decode_attention wants it, (B * kv_heads, 1, P+R); with prefix sharing
         one row per (prompt, kv head) over the prompt slots only, (Bp * kv_heads, 1, P), taken from the
         first row of each prompt (the response slots all hold real tokens). And, given the positions
-        (B, R) the decode steps will be fed (as views `decode_positions[:, t:t+1]`), the rope factors
-        of every step, gathered once instead of per step. key_valid: (B, P+R) per row."""
+        (B, R) the decode steps will be fed (decode step t, at cache slot P + t, is fed
+        `decode_positions[:, t]`), the rope factors of every step, gathered once instead of per step.
+        key_valid: (B, P+R) per row."""
         own = key_valid
         if self.shared_kv:
             own = key_valid[:: self.group_size, : self.prompt_len]
@@ -274,15 +276,16 @@ class FusedDecoder(TensorParallelDecoding):
             self.step_cos = self.cos_table[pos_t][:, :, None]  # (R, B, 1, D)
             self.step_sin = self.sin_table[pos_t][:, :, None]
             self.step_pos = decode_positions
+            self.step_start = key_valid.shape[1] - decode_positions.shape[1]
 
-    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed_sin (B, T, D) for position_ids (B, T): the factors begin() gathered when
-        position_ids is the view of a decode step's column of its positions, else a table lookup."""
+    def _rope(self, position_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin (B, T, D) for position_ids (B, T) fed at cache slot `start`: for decode step
+        t = start - P of a batch begin() was given the positions of, the factors it gathered (that step
+        is fed decode_positions[:, t], begin's contract); else a table lookup."""
         sp = self.step_pos
-        if sp is not None and position_ids.shape[1] == 1 and position_ids.shape[0] == sp.shape[0] \
-                and position_ids.stride() == sp.stride() and position_ids.dtype == sp.dtype:
-            t, rem = divmod(position_ids.data_ptr() - sp.data_ptr(), sp.element_size() * sp.stride(1))
-            if rem == 0 and 0 <= t < sp.shape[1] and position_ids.device == sp.device:
+        if sp is not None and position_ids.shape == (sp.shape[0], 1):
+            t = start - self.step_start
+            if 0 <= t < sp.shape[1]:
                 return self.step_cos[t], self.step_sin[t]
         return self.cos_table[position_ids], self.sin_table[position_ids]
 
@@ -437,7 +440,7 @@ class FusedDecoder(TensorParallelDecoding):
         """input_ids, position_ids: (B, T) -> logits (B, V) of the last new position; a prefill with
         group_size > 1 returns (B * group_size, V), the logits of every row. A decode step (T = 1) given
         `active` (A,) row indices computes those rows only and returns (A, V) (see decode_step)."""
-        cos, sin = self._rope(position_ids)  # (B, T, D) each
+        cos, sin = self._rope(position_ids, start)  # (B, T, D) each
         if input_ids.shape[1] == 1 and self.shared_kv:  # decode against a shared prompt block
             if self.key_bias is None:
                 self.begin(key_valid)
