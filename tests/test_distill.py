@@ -219,6 +219,28 @@ def test_train_py_distills(demo_data, tiny_model_dir, teacher_dir, mode):
 
 
 @pytest.mark.slow
+def test_train_py_teacher_on_the_split_pool(demo_data, tiny_model_dir, teacher_dir):
+    """pipeline.placement=split with distill.teacher_pool=split: the actor on rank 0, the teacher alone on
+    rank 1 (plan.yaml says so); the signal reaches the advantages as on the policy pool."""
+    import yaml
+
+    from tinyzero.trainer.loggers import read_metrics
+
+    out = _train(demo_data, tiny_model_dir, teacher_dir, "split", "--pipeline.placement=split",
+                 "--pipeline.actor_pool_size=1", "--distill.teacher_pool=split", "--distill.reward_weight=0")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    with open(demo_data / "split" / "plan.yaml") as f:
+        pools = yaml.safe_load(f)["pools"]
+    assert pools["actor"] == [0] and pools["teacher"] == [1], pools
+    steps = [r for r in read_metrics(str(demo_data / "split")) if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for row in steps:
+        for name in ("distill/reverse_kl", "distill/teacher_log_prob", "distill/advantage_mean", "timing_s/teacher"):
+            assert name in row and math.isfinite(row[name]), (name, row.get(name))
+        assert row["distill/teacher_log_prob"] < 0
+
+
+@pytest.mark.slow
 def test_train_py_refuses_other_tokenizer(demo_data, tiny_model_dir, other_vocab_dir):
     out = _train(demo_data, tiny_model_dir, other_vocab_dir, "refused")
     assert out.returncode != 0

@@ -48,6 +48,23 @@ def test_pools_and_layouts(placement, world, actor, critic):
     assert plan.summary()["pools"]["critic"] == list(critic)
 
 
+@pytest.mark.parametrize("teacher_pool,ranks", [("policy", (0, 1)), ("split", (2, 3))])
+def test_teacher_on_the_policy_pool_or_the_split_one(teacher_pool, ranks):
+    """distill.teacher_pool: beside the actor (laid out like the reference model) or on the second pool of a
+    split placement; split without a split placement is refused naming both settings."""
+    from tinyzero.config import ConfigError
+
+    settings = {"pipeline": {"placement": "split"}, "data": {"train_batch_size": 8},
+                "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}},
+                "distill": {"teacher_path": "runs/teacher", "teacher_pool": teacher_pool}}
+    plan = plan_run(_cfg(settings), 4, notice=None)
+    assert plan.pools["actor"] == (0, 1) and plan.pools["teacher"] == ranks
+    assert plan.dims["teacher"].world == 2
+    with pytest.raises(ConfigError, match="distill.teacher_pool=split.*pipeline.placement=split"):
+        _cfg({**settings, "pipeline": {"placement": "colocate"}, "distill": {"teacher_path": "t",
+                                                                               "teacher_pool": "split"}})
+
+
 def test_asynchronous_pools():
     cfg = _cfg({"pipeline": {"rollout_pool_size": 1}, "data": {"train_batch_size": 4},
                 "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}, "rollout": {"n": 2}},

@@ -98,9 +98,9 @@ def plan_run(cfg: Config, world_size: int, notice=print) -> RunPlan:
         if resolved.reward_model.enable:
             pools["reward_model"] = others
             dims["reward_model"] = role_layout(resolved.reward_model, len(others))
-        if resolved.distill.enabled:  # laid out and placed like the reference model
-            pools["teacher"] = policy
-            dims["teacher"] = role_layout(arr.ref, len(policy))
+        if resolved.distill.enabled:  # laid out like the reference model, on its pool or the split one
+            pools["teacher"] = others if resolved.distill.teacher_pool == "split" else policy
+            dims["teacher"] = role_layout(arr.ref, len(pools["teacher"]))
         convert_global_micro_batches(resolved, dims)
         rows = {"actor": dims["actor"].rows_per_rank(arr.actor.ppo_mini_batch_size, n,
                                                      arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.use_dynamic_bsz)}

@@ -47,6 +47,11 @@ class DistillConfig:
     """Dtype the teacher's weights are held in ("auto": the compute dtype of actor_rollout_ref.ref's FSDP
     mixed precision, bf16 on GPU; or "fp32", "bf16", "fp16", "fp64"). The teacher is sharded with
     actor_rollout_ref.ref.fsdp_config and batched with actor_rollout_ref.ref's log-prob settings."""
+    teacher_pool: Literal["policy", "split"] = "policy"
+    """Where the teacher runs. "policy": on the policy pool's ranks, beside the actor (colocated, like the
+    reference model). "split": on the second pool of pipeline.placement=split, beside the critic and the
+    reward model, so a larger teacher's memory stays off the policy ranks and its log-probs are computed
+    while the policy pool computes its own."""
     mode: Literal["advantage", "loss"] = "advantage"
     """"advantage": -coef * (log pi_student - log pi_teacher) per token, added to the advantages (Tinker's
     recipe); "loss": coef * KL(student || teacher) estimate in the actor loss (veRL's / TRL's form)."""

@@ -224,6 +224,9 @@ def check_distill(cfg: Config) -> None:
     if cfg.distill.enabled and (t.max_staleness or t.rollout_pool_size):
         raise ConfigError("distill.teacher_path with the asynchronous pipeline (pipeline.max_staleness / "
                           "rollout_pool_size) is not supported; set both to 0, or distill.teacher_path=''")
+    if cfg.distill.enabled and cfg.distill.teacher_pool == "split" and t.placement != "split":
+        raise ConfigError("distill.teacher_pool=split runs the teacher on the second pool of a split placement; "
+                          "set pipeline.placement=split (and pipeline.actor_pool_size), or distill.teacher_pool=policy")
 
 
 def check_async(cfg: Config) -> None:
