@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -200,3 +201,65 @@ def test_a_vllm_judge_beside_a_vllm_rollout_engine(smollm2_path):
     assert got["after"] == got["before"]
     hf = _hf_judge(smollm2_path, template="yes_no", parser="yes_no", max_new_tokens=48, batch_size=8)
     assert [tuple(v) for v in got["verdicts"]] == _verdicts(hf.score(SMOL_PROMPTS, SMOL_RESPONSES, SMOL_REFS))
+
+
+def _judge_on_one_rank(model_dir: str, mode: str, parser: str) -> dict:
+    """On 2 gloo ranks: the judge on rank 1 alone (reward.judge.pool=split) and on both, the same batch."""
+    import torch.distributed as dist
+
+    from tinyzero.distributed import init_distributed
+    from tinyzero.rewards.judge import AbsentJudgeBackend
+
+    init_distributed()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch, _ = _judged_batch(tok)
+    batch.non_tensor_batch["uid"] = np.array([0, 0, 0, 0, 1, 1, 2, 2], dtype=object)  # GRPO groups (pairwise)
+    judge = JudgeConfig(enable=True, model_path=model_dir, dtype="float32", max_new_tokens=8, data_sources=["open_qa"],
+                        mode=mode, parser=parser)
+    cfg = RewardConfig(on_error="zero", judge=judge)
+    split = RewardManager(tok, cfg, judge_ranks=(1,))
+    absent = isinstance(split._judging.judge.backend, AbsentJudgeBackend)
+    on_one, on_both = split(batch), RewardManager(tok, cfg)(batch)
+    return {"rank": dist.get_rank(), "absent": absent, "scores": on_one.scores.tolist(),
+            "expected": on_both.scores.tolist(), "replies": on_one.reward_extra_info.get("judge_output"),
+            "expected_replies": on_both.reward_extra_info.get("judge_output"),
+            "count": on_one.metrics["reward/judge_count"], "judge_s": on_one.metrics["timing_s/reward_judge"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pointwise", "pairwise"])
+def test_a_judge_on_one_rank_scores_as_on_every_rank(varied_model_dir, mode, tmp_path):
+    """reward.judge.pool=split: only the judge's ranks load it (the others hold no model) and judge every judged
+    sample between them; every rank gets the scores a judge on every rank gives, rule-scored rows included.
+    The tiny judge writes no real verdicts, so the pairwise parser reads one off its reply's length (A when
+    odd): the comparisons then differ, and each must land on its own pair."""
+    from tests.dist_utils import run_distributed
+
+    parser = "last_number"
+    if mode == "pairwise":
+        (tmp_path / "parity.py").write_text("def prefers(reply):\n    return float(len(reply) % 2)\n")
+        parser = f"{tmp_path / 'parity.py'}:prefers"
+    results = run_distributed(_judge_on_one_rank, 2, varied_model_dir, mode, parser, timeout=600)
+    assert [r["absent"] for r in results] == [True, False]
+    for r in results:
+        assert r["scores"] == r["expected"] and r["replies"] == r["expected_replies"], r
+        assert r["count"] == 6.0
+    assert results[0]["scores"] == results[1]["scores"]
+    assert len(set(results[0]["scores"][:6])) > 1, results[0]  # the judge's verdicts differ: not vacuous
+    if mode == "pointwise":
+        assert results[0]["judge_s"] == 0.0 and results[1]["judge_s"] > 0  # rank 0 judged nothing
+
+
+def test_judge_pool_split_needs_a_split_placement():
+    from configs.demo import demo_cpu
+    from tinyzero.config import ConfigError, check_config
+
+    cfg = demo_cpu()
+    cfg.reward.judge = JudgeConfig(enable=True, model_path="judge", pool="split")
+    with pytest.raises(ConfigError, match="reward.judge.pool=split .* set pipeline.placement=split"):
+        check_config(cfg)
+    cfg.pipeline.placement = "split"
+    check_config(cfg)
+    cfg.reward.judge = JudgeConfig(enable=True, url="http://localhost:1", pool="split")
+    with pytest.raises(ConfigError, match="reward.judge.pool=split"):
+        check_config(cfg)

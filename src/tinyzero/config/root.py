@@ -219,11 +219,17 @@ def check_lora(cfg: Config) -> None:
 
 
 def check_distill(cfg: Config) -> None:
-    """On-policy distillation runs in the synchronous PPO-family loop (tinyzero.algorithms.distill)."""
+    """Where the teacher and an in-process judge may run: distillation in the synchronous PPO-family loop
+    (tinyzero.algorithms.distill), a pool of their own only under a split placement."""
     t = cfg.pipeline
     if cfg.distill.enabled and (t.max_staleness or t.rollout_pool_size):
         raise ConfigError("distill.teacher_path with the asynchronous pipeline (pipeline.max_staleness / "
                           "rollout_pool_size) is not supported; set both to 0, or distill.teacher_path=''")
+    judge = cfg.reward.judge
+    if judge.enable and judge.pool == "split" and (t.placement != "split" or judge.url or judge.engine == "vllm"):
+        raise ConfigError("reward.judge.pool=split loads an in-process judge (reward.judge.model_path, engine native "
+                          "or hf) on the second pool of pipeline.placement=split only; set pipeline.placement=split, "
+                          "or reward.judge.pool=all")
     if cfg.distill.enabled and cfg.distill.teacher_pool == "split" and t.placement != "split":
         raise ConfigError("distill.teacher_pool=split runs the teacher on the second pool of a split placement; "
                           "set pipeline.placement=split (and pipeline.actor_pool_size), or distill.teacher_pool=policy")

@@ -200,6 +200,20 @@ class RemoteJudgeBackend:
 
 
 # ---------------------------------------------------------------------------------------------- the judge
+class AbsentJudgeBackend:
+    """The judge seen from a rank outside its pool (reward.judge.pool=split): it holds no model and is given
+    no sample to judge (the RewardManager sends judged samples to the judge's ranks only)."""
+
+    def __init__(self, config: JudgeConfig):
+        self.name = f"the in-process judge {config.model_path} ({config.engine} engine)"
+
+    def generate(self, conversations: list) -> list:
+        if conversations:
+            raise RuntimeError(f"{self.name} is not loaded on this rank (reward.judge.pool=split); it was asked to "
+                               f"judge {len(conversations)} samples")
+        return []
+
+
 def build_backend(config: JudgeConfig) -> JudgeBackend:
     """The backend the settings name: the server at reward.judge.url, else reward.judge.model_path on
     reward.judge.engine (HF generate, or a rollout engine: tinyzero.rewards.judge_engine)."""

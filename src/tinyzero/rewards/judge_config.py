@@ -65,6 +65,13 @@ class JudgeConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """In-process judge: weight dtype; auto is bfloat16 on GPU and float32 on CPU."""
 
+    pool: Literal["all", "split"] = "all"
+    """In-process judge on the native or hf engine: which ranks hold it. "all": every rank loads the judge
+    and judges its share of the batch. "split": only the ranks of the second pool of
+    pipeline.placement=split (beside the critic and reward model) load it and judge every judged sample
+    between them, so its memory stays off the policy ranks; rule-scored samples still spread over every
+    rank. A judge larger than one rank's memory belongs behind a server (url)."""
+
     max_prompt_length: int = 4096
     """In-process judge on the native or vllm engine: the longest judge prompt in tokens (the template with
     the prompt, the response and the reference); a longer one gets no verdict (a reward fault,

@@ -48,10 +48,12 @@ def pairwise_scores(indices: list[int], pairs: list[tuple[int, int]], preference
 
 
 def judge_pairs(judge, pairs: list[tuple[int, int]], prompts: list[str], responses: list[str], ground_truths: list,
-                rank: int, world: int) -> list[dict]:
-    """Judge.compare's result for every pair: this rank judges pairs rank, rank + world, ... and the
-    results are all-gathered. A rank whose judge raises reports its pairs failed (every rank learns of it)."""
-    mine = pairs[rank::world]
+                rank: int, world: int, judge_ranks: tuple[int, ...] | None = None) -> list[dict]:
+    """Judge.compare's result for every pair: the judge's k-th rank (of `judge_ranks`, default every rank)
+    judges pairs k, k + len(judge_ranks), ... and the results are all-gathered over the world. A rank
+    whose judge raises reports its pairs failed (every rank learns of it)."""
+    holders = tuple(range(world)) if judge_ranks is None else tuple(judge_ranks)
+    mine = pairs[holders.index(rank)::len(holders)] if rank in holders else []
     try:
         local = judge.compare([prompts[i] for i, _ in mine], [responses[i] for i, _ in mine],
                               [responses[j] for _, j in mine], [ground_truths[i] for i, _ in mine])
@@ -62,6 +64,6 @@ def judge_pairs(judge, pairs: list[tuple[int, int]], prompts: list[str], respons
     gathered: list = [None] * world
     dist.all_gather_object(gathered, local)
     verdicts: list[dict] = [{}] * len(pairs)
-    for r, shard in enumerate(gathered):
-        verdicts[r::world] = shard
+    for k, r in enumerate(holders):
+        verdicts[k::len(holders)] = gathered[r]
     return verdicts

@@ -45,9 +45,18 @@ class JudgeScoring:
     """reward.judge inside the RewardManager (see the module docstring). `time_s` holds the seconds this
     rank spent in the judge during the last call."""
 
-    def __init__(self, config: JudgeConfig, judge: Judge | None = None):
+    def __init__(self, config: JudgeConfig, judge: Judge | None = None, ranks: tuple[int, ...] | None = None,
+                 rank: int = 0):
+        """ranks: the ranks that hold the judge (reward.judge.pool=split), None for every rank; the others
+        build no model."""
         self.config = config
-        self.judge = judge if judge is not None else Judge(config)
+        self.ranks = ranks
+        if judge is None:
+            from tinyzero.rewards.judge import AbsentJudgeBackend
+
+            absent = ranks is not None and rank not in ranks
+            judge = Judge(config, backend=AbsentJudgeBackend(config) if absent else None)
+        self.judge = judge
         self.name = f"{self.judge.name} (reward.judge)"
         self.time_s = 0.0
 
@@ -72,6 +81,8 @@ class JudgeScoring:
         if self.config.mode == "pairwise":  # judged over whole groups after the gather (pairwise)
             judge_results = [{"score": 0.0, "acc": False, "formatted": False, "extra": {}, "error": None,
                               "timeout": False, "judge": "pairwise"} for _ in judged]
+        elif not judged:  # nothing of this shard is judged (or the judge is on other ranks)
+            judge_results = []
         else:
             start = time.perf_counter()
             judge_results = self.judge.score([prompts[i] if prompts else "" for i in judged],
@@ -89,7 +100,8 @@ class JudgeScoring:
         judged = [i for i, t in enumerate(tasks) if self.judges(t[0])]
         pairs = ordered_pairs(judged, group_keys(data.non_tensor_batch.get("uid"), prompts, [t[2] for t in tasks]))
         start = time.perf_counter()
-        verdicts = judge_pairs(self.judge, pairs, prompts, [t[1] for t in tasks], [t[2] for t in tasks], rank, world)
+        verdicts = judge_pairs(self.judge, pairs, prompts, [t[1] for t in tasks], [t[2] for t in tasks], rank, world,
+                               self.ranks)
         self.time_s = time.perf_counter() - start
         failed = [k for k, v in enumerate(verdicts) if v["judge"] != "ok"]
         failure = None
@@ -101,6 +113,19 @@ class JudgeScoring:
         for i in judged:
             results[i] = {**results[i], "score": scores[i], "acc": scores[i] >= 0.5, "formatted": True}
         return [v["judge"] for v in verdicts], failure
+
+    def assign(self, tasks: list, rank: int, world: int) -> list[int]:
+        """The indices of the tasks `rank` scores: every rank takes every world-th sample, except that with
+        the judge on some ranks only (self.ranks) the judged samples go round those ranks alone."""
+        if self.ranks is None:
+            return list(range(rank, len(tasks), world))
+        judged = [i for i, t in enumerate(tasks) if self.judges(t[0])]
+        mine = [i for i, t in enumerate(tasks) if not self.judges(t[0])][rank::world]
+        if rank in self.ranks and self.config.mode != "pairwise":  # pairwise: judged after the gather
+            mine += judged[self.ranks.index(rank)::len(self.ranks)]
+        elif self.config.mode == "pairwise":  # placeholders only, filled by `pairwise`
+            mine += judged[rank::world]
+        return sorted(mine)
 
     def metrics(self, tasks: list, states: list) -> dict[str, float]:
         """reward/judge_count, judge_parse_errors, judge_failures and timing_s/reward_judge of one call;

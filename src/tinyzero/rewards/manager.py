@@ -167,7 +167,7 @@ class RewardManager:
 
     def __init__(self, tokenizer, config: RewardConfig | None = None,
                  custom_function: CustomRewardFunctionConfig | None = None, reward_manager: str = "naive",
-                 reward_kwargs: dict | None = None):
+                 reward_kwargs: dict | None = None, judge_ranks: tuple[int, ...] | None = None):
         self.tokenizer = tokenizer
         self.config = config if config is not None else RewardConfig()
         self.manager = reward_manager
@@ -183,7 +183,10 @@ class RewardManager:
             load_custom_fn(self.spec.custom_fn, what=what)  # fail at start-up on a bad path / name
         self._pool: ScoringPool | None = None
         self._printed: set[str] = set()  # warnings already printed (each kind once per manager)
-        self._judging = JudgeScoring(self.config.judge) if self.config.judge.enable else None
+        # judge_ranks: the ranks holding an in-process judge when reward.judge.pool=split (the builder takes
+        # them from the run plan), None for every rank.
+        self._judging = JudgeScoring(self.config.judge, ranks=judge_ranks, rank=_rank()) \
+            if self.config.judge.enable else None
 
     def check_data_sources(self, data_sources) -> None:
         """Raise ValueError now if any data_source has no scorer (call before training)."""
@@ -233,9 +236,12 @@ class RewardManager:
     def _score_sharded(self, tasks: list, prompts: list[str] | None = None) -> tuple[list[dict], bool]:
         """Every sample scored once across the ranks; every rank gets every result."""
         rank, world = _rank(), _world()
-        shard = tasks[rank::world]
+        assign = self._judging.assign if self._judging is not None else \
+            (lambda tasks, r, w: list(range(r, len(tasks), w)))
+        picked = assign(tasks, rank, world)
+        shard = [tasks[i] for i in picked]
         try:
-            local, parallel = self._score(shard, prompts[rank::world] if prompts is not None else None)
+            local, parallel = self._score(shard, [prompts[i] for i in picked] if prompts is not None else None)
         except Exception as e:  # noqa: BLE001 - e.g. a worker that cannot start: every rank must learn of it
             error = {"score": 0.0, "acc": False, "formatted": False, "extra": {},
                      "error": f"{type(e).__name__}: {e}"[:500], "timeout": False,
@@ -255,7 +261,8 @@ class RewardManager:
         _check_same_batch([g[0] for g in gathered])
         results: list[dict] = [{}] * len(tasks)
         for r, (_, shard) in enumerate(gathered):
-            results[r::world] = shard
+            for i, result in zip(assign(tasks, r, world), shard):
+                results[i] = result
         return results, parallel
 
     def _check_results(self, tasks: list, results: list[dict]) -> None:

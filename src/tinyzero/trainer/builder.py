@@ -96,9 +96,12 @@ def build_ppo_trainer(cfg: Config) -> PPOTrainer:
                                          "critic.optim": cfg.critic.optim})
     reward_args = (cfg.reward, cfg.custom_reward_function, cfg.reward_model.reward_manager,
                    cfg.reward_model.reward_kwargs)
-    reward_fn = RewardManager(run.tokenizer, *reward_args)
+    judge_ranks = None  # reward.judge.pool=split: the in-process judge on the ranks outside the policy pool
+    if cfg.reward.judge.enable and cfg.reward.judge.pool == "split":
+        judge_ranks = tuple(r for r in range(world_size) if r not in plan.pools["actor"])
+    reward_fn = RewardManager(run.tokenizer, *reward_args, judge_ranks=judge_ranks)
     reward_fn.check_data_sources(_data_sources(run.train_dataset, run.val_dataset))
-    val_reward_fn = RewardManager(run.tokenizer, *reward_args)
+    val_reward_fn = RewardManager(run.tokenizer, *reward_args, judge_ranks=judge_ranks)
     run_dir = write_run_config(user_cfg, plan)
     trainer_cls, extra = PPOTrainer, {}
     if plan.asynchronous:  # rollout on its own pool, ahead of training
