@@ -215,3 +215,26 @@ def test_rollout_tensor_parallel_default_follows_the_model_and_the_pool(monkeypa
     assert user.dims["rollout"].tp == 1 and "actor_rollout_ref.rollout.tensor_model_parallel_size" not in user.fast_path
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each
     assert plan_run(cfg, 2, notice=None).dims["rollout"].tp == 1
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"data": {"train_batch_size": 12}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8, "shuffle": False}}},
+     r"data.train_batch_size=12 must be a multiple of .*ppo_mini_batch_size=8"),
+    ({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2, "shuffle": False}}},
+     r"ppo_mini_batch_size=2 pairs must split over the 4 ranks"),
+    ({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 1,
+                                      "shuffle": False}}}, r"ppo_micro_batch_size_per_gpu=1 must be even for DPO"),
+    ({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "shuffle": True}}},
+     r"DPO keeps chosen/rejected rows adjacent"),
+    ({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "shuffle": False},
+                            "ref": {"ulysses_sequence_parallel_size": 2}}}, r"trainer.mode=dpo trains data-parallel"),
+])
+def test_dpo_pairs_are_checked_by_the_plan(change, message):
+    """DPO's pair rules are part of the plan: refused before any model loads, naming the setting."""
+    base = {"trainer": {"mode": "dpo"}, "data": {"train_batch_size": 8},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "shuffle": False}}}
+    assert plan_run(_cfg(base), 4, notice=None).dims["actor"].world == 4
+    values = {**base, **change}
+    values["actor_rollout_ref"] = {**base["actor_rollout_ref"], **change.get("actor_rollout_ref", {})}
+    with pytest.raises(ConfigError, match=message):
+        plan_run(_cfg(values), 4, notice=None)

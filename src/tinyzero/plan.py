@@ -136,8 +136,33 @@ def _plan_supervised(resolved: Config, world_size: int) -> RunPlan:
         raise ConfigError(f"trainer.mode={resolved.trainer.mode} trains data-parallel only; set "
                           "actor_rollout_ref.actor.tensor_model_parallel_size and ulysses_sequence_parallel_size "
                           "to 1 (tensor and sequence parallelism apply to the PPO roles)")
+    if resolved.trainer.mode == "dpo":
+        _check_dpo(resolved, world_size)
     return RunPlan(world_size=world_size, config=resolved, pools={"actor": tuple(range(world_size))}, dims=dims,
                    engine=resolved.actor_rollout_ref.rollout.name, fast_path=fast_path)
+
+
+def _check_dpo(resolved: Config, world_size: int) -> None:
+    """DPO's pairs must stay whole inside every rank's chunk, mini-batch and micro-batch."""
+    arr = resolved.actor_rollout_ref
+    actor = arr.actor
+    if arr.ref.tensor_model_parallel_size > 1 or arr.ref.ulysses_sequence_parallel_size > 1:
+        raise ConfigError("trainer.mode=dpo trains data-parallel only; set actor_rollout_ref.ref."
+                          "tensor_model_parallel_size and actor_rollout_ref.ref.ulysses_sequence_parallel_size to 1")
+    pairs = actor.ppo_mini_batch_size
+    if resolved.data.train_batch_size % pairs:
+        raise ConfigError(f"data.train_batch_size={resolved.data.train_batch_size} must be a multiple of "
+                          f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} (pairs per optimizer step)")
+    if pairs % world_size:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} pairs must split over the "
+                          f"{world_size} ranks; make it a multiple of {world_size}")
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if micro is not None and micro % 2:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be even for DPO "
+                          "(a chosen and a rejected row per pair)")
+    if actor.use_dynamic_bsz or actor.shuffle:
+        raise ConfigError("DPO keeps chosen/rejected rows adjacent: set actor_rollout_ref.actor.use_dynamic_bsz "
+                          "and actor_rollout_ref.actor.shuffle to false")
 
 
 def _resolve_engine(resolved: Config, notice) -> str:

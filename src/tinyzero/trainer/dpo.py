@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyzero.algorithms import register_policy_loss
-from tinyzero.config import Config, ConfigError
+from tinyzero.config import Config
 from tinyzero.config.overrides import override
 from tinyzero.data import PairwiseDataset
 from tinyzero.distributed import get_world_size
@@ -155,36 +155,11 @@ class DPOTrainer(SupervisedTrainer):
         return metrics
 
 
-def check_dpo_config(cfg: Config, world_size: int) -> None:
-    """Pairs must stay whole inside every rank's chunk, mini-batch and micro-batch."""
-    actor = cfg.actor_rollout_ref.actor
-    arr = cfg.actor_rollout_ref
-    for section, role in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", arr.ref)):
-        if role.tensor_model_parallel_size > 1 or role.ulysses_sequence_parallel_size > 1:
-            raise ConfigError(f"trainer.mode=dpo trains data-parallel only; set {section}.tensor_model_parallel_size "
-                              f"and {section}.ulysses_sequence_parallel_size to 1")
-    pairs = actor.ppo_mini_batch_size
-    if cfg.data.train_batch_size % pairs:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
-                         f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} (pairs per optimizer step)")
-    if pairs % world_size:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={pairs} pairs must split over the "
-                         f"{world_size} ranks; make it a multiple of {world_size}")
-    micro = actor.ppo_micro_batch_size_per_gpu
-    if micro is not None and micro % 2:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be even for DPO "
-                         "(a chosen and a rejected row per pair)")
-    if actor.use_dynamic_bsz or actor.shuffle:
-        raise ConfigError("DPO keeps chosen/rejected rows adjacent: set actor_rollout_ref.actor.use_dynamic_bsz "
-                         "and actor_rollout_ref.actor.shuffle to false")
-
-
 def build_dpo_trainer(cfg: Config) -> DPOTrainer:
     """Datasets, the colocated actor + reference groups, loggers; every rank."""
     world_size = get_world_size()
     plan = plan_and_check(cfg, world_size)
     user_cfg, cfg = cfg, plan.config  # the DPO settings below go into the resolved copy
-    check_dpo_config(cfg, world_size)
     arr = cfg.actor_rollout_ref
     # every row counts once, so micro-batch shares are pair shares; the registry entry says so too
     register_policy_loss(LOSS_NAME, loss_agg_mode="seq-mean-token-mean", replace=True)(
