@@ -21,6 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tinyzero.config.verl_values import (
+    config_error,
+    dtype_to,
+    hdfs,
+    load_contents,
+    nccl_timeout,
+    null_as,
+    reward_manager,
+    rollout_name,
+    strategy,
+    unless_null,
+)
+
 __all__ = ["KEYS", "Rule", "resolve_key"]
 
 
@@ -60,84 +73,6 @@ def _convert(fn: Callable[[Any], list[tuple[str, Any]]], why: str) -> Rule:
     return Rule("convert", why=why, convert=fn)
 
 
-def _error(msg: str):
-    from tinyzero.config.root import ConfigError
-
-    return ConfigError(msg)
-
-
-# --------------------------------------------------------------------------- conversions
-
-
-def _hdfs(value):
-    if value in (None, "", "null"):
-        return []
-    raise _error(f"trainer.default_hdfs_dir={value!r}: tinyzero writes checkpoints to trainer.default_local_dir only "
-                 "(no HDFS copy); set trainer.default_hdfs_dir=null and copy the run folder yourself")
-
-
-def _unless_null(key: str):
-    def fn(value):
-        return [] if value is None else [(key, value)]
-    return fn
-
-
-def _null_as(key: str, empty: Any):
-    def fn(value):
-        return [(key, empty if value is None else value)]
-    return fn
-
-
-def _rollout_name(value):
-    if value == "hf":
-        return [("actor_rollout_ref.rollout.name", "native")]  # veRL's HF rollout: plain HF generate
-    if value in ("sglang", "trtllm"):
-        raise _error(f"actor_rollout_ref.rollout.name={value}: tinyzero has no {value} engine; nearest supported "
-                     "setting: actor_rollout_ref.rollout.name=vllm (or native)")
-    return [("actor_rollout_ref.rollout.name", value)]
-
-
-def _strategy(section: str):
-    def fn(value):
-        if value in (None, "fsdp", "fsdp2"):
-            return []
-        raise _error(f"{section}.strategy={value}: tinyzero trains with FSDP2 only; nearest supported setting: "
-                     f"{section}.strategy=fsdp2 (tensor parallelism: {section}.tensor_model_parallel_size)")
-    return fn
-
-
-def _dtype_to(target: str):
-    """veRL's engine dtype keys: bfloat16 is veRL's default and tinyzero's "auto" on GPU (fp32 on CPU)."""
-    def fn(value):
-        return [] if value in (None, "bfloat16", "bf16") else [(target, value)]
-    return fn
-
-
-def _load_contents(section: str):
-    def fn(value):
-        if value is None or {"model", "optimizer", "extra"} <= set(value):
-            return []  # veRL's default: load what was saved, as tinyzero's resume does
-        raise _error(f"{section}.checkpoint.load_contents={list(value)}: tinyzero's resume loads everything a "
-                     "checkpoint holds (model, optimizer, extra); nearest supported setting: "
-                     f"{section}.checkpoint.load_contents=[model,optimizer,extra], or trainer.resume_mode=disable")
-    return fn
-
-
-def _nccl_timeout(value):
-    return [("reliability.collective_timeout_s", float(value))]
-
-
-def _reward_manager(value):
-    from tinyzero.rewards.config import REWARD_MANAGERS
-
-    if value is None:
-        return []
-    if value in REWARD_MANAGERS:  # tinyzero.rewards.manager implements each of veRL's registered managers
-        return [("reward_model.reward_manager", value)]
-    raise _error(f"reward_model.reward_manager={value}: tinyzero has veRL's reward managers {list(REWARD_MANAGERS)}; "
-                 "nearest supported setting: reward_model.reward_manager=naive with custom_reward_function.path")
-
-
 # --------------------------------------------------------------------------- the table
 
 ACTOR, REF, ROLLOUT, MODEL = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout",
@@ -156,7 +91,7 @@ KEYS: dict[str, Rule] = {
     "transfer_queue.*": _ignore("used with transfer_queue.enable only"),
     "transfer_queue.enable": _refuse("veRL's TransferQueue data system has no counterpart",
                                      "transfer_queue.enable=false", False, None),
-    "trainer.default_hdfs_dir": _convert(_hdfs, "null accepted; checkpoints go to trainer.default_local_dir only"),
+    "trainer.default_hdfs_dir": _convert(hdfs, "null accepted; checkpoints go to trainer.default_local_dir only"),
     "trainer.del_local_ckpt_after_load": _refuse("tinyzero keeps the checkpoint it resumed from",
                                                  "trainer.del_local_ckpt_after_load=false", False),
     "trainer.esi_redundant_time": _ignore("an elastic-server-instance (ESI) deadline; tinyzero saves on SIGTERM "
@@ -166,14 +101,14 @@ KEYS: dict[str, Rule] = {
                                               "actor and critic are saved in one step folder, kept together"),
     "trainer.max_critic_ckpt_to_keep": _rename("trainer.max_ckpt_to_keep",
                                                "actor and critic are saved in one step folder, kept together"),
-    "actor_rollout_ref.nccl_timeout": _convert(_nccl_timeout, "the timeout of every collective, in seconds"),
+    "actor_rollout_ref.nccl_timeout": _convert(nccl_timeout, "the timeout of every collective, in seconds"),
     # ---- tinyzero keys that veRL's YAML sets to null where tinyzero has a value
-    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _convert(_unless_null(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _convert(unless_null(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
                                                              "null: tinyzero's default"),
-    f"{MODEL}.tokenizer_path": _convert(_null_as(f"{MODEL}.tokenizer_path", ""), "null: the model's folder"),
-    "critic.model.tokenizer_path": _convert(_null_as("critic.model.tokenizer_path", ""), "null: the model's folder"),
-    "data.seed": _convert(_unless_null("data.seed"), "null: tinyzero's seeded order (data.seed=1)"),
-    "trainer.resume_from_path": _convert(_null_as("trainer.resume_from_path", ""), "null: none"),
+    f"{MODEL}.tokenizer_path": _convert(null_as(f"{MODEL}.tokenizer_path", ""), "null: the model's folder"),
+    "critic.model.tokenizer_path": _convert(null_as("critic.model.tokenizer_path", ""), "null: the model's folder"),
+    "data.seed": _convert(unless_null("data.seed"), "null: tinyzero's seeded order (data.seed=1)"),
+    "trainer.resume_from_path": _convert(null_as("trainer.resume_from_path", ""), "null: none"),
     # ---- data
     "data.filter_overlong_prompts_workers": _ignore("prompts are filtered in the loading process"),
     "data.tokenizer": _refuse("the tokenizer comes from the model folder", "actor_rollout_ref.model.tokenizer_path",
@@ -219,7 +154,7 @@ KEYS: dict[str, Rule] = {
     f"{MODEL}.mtp.*": _ignore("used with model.mtp.enable only"),
     f"{MODEL}.mtp.enable": _refuse("no multi-token prediction", f"{MODEL}.mtp.enable=false", False),
     # ---- actor
-    f"{ACTOR}.strategy": _convert(_strategy(ACTOR), "FSDP2"),
+    f"{ACTOR}.strategy": _convert(strategy(ACTOR), "FSDP2"),
     f"{ACTOR}.rollout_n": _ignore(FOLLOWS + " (actor_rollout_ref.rollout.n)"),
     f"{ACTOR}.use_remove_padding": _ignore(FOLLOWS + " (actor_rollout_ref.model.use_remove_padding)"),
     f"{ACTOR}.use_fused_kernels": _ignore(FOLLOWS + " (actor_rollout_ref.model.use_fused_kernels)"),
@@ -239,14 +174,14 @@ KEYS: dict[str, Rule] = {
                                         "disabled", None),
     f"{REF}.router_replay.*": _refuse("no MoE router replay", f"{REF}.router_replay.mode=disabled", "disabled", None),
     f"{ACTOR}.checkpoint.save_contents": _rename(f"{ACTOR}.checkpoint.contents"),
-    f"{ACTOR}.checkpoint.load_contents": _convert(_load_contents(ACTOR), "resume loads what was saved"),
+    f"{ACTOR}.checkpoint.load_contents": _convert(load_contents(ACTOR), "resume loads what was saved"),
     f"{ACTOR}.checkpoint.async_save": _ignore("checkpoints are written atomically in the step"),
     # ---- reference
     f"{REF}.rollout_n": _ignore(FOLLOWS + " (actor_rollout_ref.rollout.n)"),
-    f"{REF}.strategy": _convert(_strategy(REF), "FSDP2"),
+    f"{REF}.strategy": _convert(strategy(REF), "FSDP2"),
     f"{REF}.use_torch_compile": _ignore(PERF),
     # ---- rollout
-    f"{ROLLOUT}.name": _convert(_rollout_name, "vllm, native (veRL's hf), remote"),
+    f"{ROLLOUT}.name": _convert(rollout_name, "vllm, native (veRL's hf), remote"),
     f"{ROLLOUT}.mode": _ignore("tinyzero's engines run in the trainer's processes; sync and async give the same "
                                "samples"),
     f"{ROLLOUT}.ignore_eos": _refuse("responses end at the EOS token", f"{ROLLOUT}.ignore_eos=false", False),
@@ -291,7 +226,7 @@ KEYS: dict[str, Rule] = {
                                                    f"{ROLLOUT}.dtype", None),
     f"{ROLLOUT}.mtp": _refuse("no multi-token prediction", f"{ROLLOUT}.mtp=null", None),
     f"{ROLLOUT}.profiler.*": _ignore(PROFILE),
-    f"{ROLLOUT}.multi_turn.max_assistant_turns": _convert(_unless_null(f"{ROLLOUT}.multi_turn.max_turns"), "multi_turn.max_turns (null: tinyzero's "
+    f"{ROLLOUT}.multi_turn.max_assistant_turns": _convert(unless_null(f"{ROLLOUT}.multi_turn.max_turns"), "multi_turn.max_turns (null: tinyzero's "
                                                           "default)"),
     f"{ROLLOUT}.multi_turn.max_user_turns": _refuse("user turns come from a multi_turn.environment",
                                                     f"{ROLLOUT}.multi_turn.environment", None),
@@ -311,7 +246,7 @@ KEYS: dict[str, Rule] = {
     f"{ROLLOUT}.multi_turn.num_repeat_rollouts": _refuse("each prompt is sampled rollout.n times",
                                                          f"{ROLLOUT}.n", None),
     # ---- critic
-    "critic.strategy": _convert(_strategy("critic"), "FSDP2"),
+    "critic.strategy": _convert(strategy("critic"), "FSDP2"),
     "critic.enable": _ignore("the critic is trained when algorithm.adv_estimator needs one (gae)"),
     "critic.data_loader_seed": _rename("critic.seed"),
     "critic.model.fsdp_config.*": _rename("critic.fsdp_config.*", "tinyzero's critic has its fsdp_config beside "
@@ -322,7 +257,7 @@ KEYS: dict[str, Rule] = {
     "critic.model.enable_activation_offload": _ignore(PERF),
     "critic.model.tiled_mlp.*": _ignore(PERF),
     "critic.checkpoint.save_contents": _rename("critic.checkpoint.contents"),
-    "critic.checkpoint.load_contents": _convert(_load_contents("critic"), "resume loads what was saved"),
+    "critic.checkpoint.load_contents": _convert(load_contents("critic"), "resume loads what was saved"),
     "critic.checkpoint.async_save": _ignore("checkpoints are written atomically in the step"),
     "critic.profiler.*": _ignore(PROFILE),
     # ---- reward model and reward manager
@@ -330,14 +265,14 @@ KEYS: dict[str, Rule] = {
                                                  "pipeline.placement=split", False),
     "reward_model.n_gpus_per_node": _ignore("the reward model runs on the critic's ranks (pipeline.placement)"),
     "reward_model.nnodes": _ignore("the reward model runs on the critic's ranks (pipeline.placement)"),
-    "reward_model.strategy": _convert(_strategy("reward_model"), "FSDP2"),
+    "reward_model.strategy": _convert(strategy("reward_model"), "FSDP2"),
     "reward_model.model.input_tokenizer": _rename("reward_model.input_tokenizer"),
     "reward_model.model.fsdp_config.*": _rename("reward_model.fsdp_config.*"),
     "reward_model.model.external_lib": _refuse("models load from a local HF folder",
                                                "reward_model.model.trust_remote_code=true", None),
     "reward_model.model.use_shm": _ignore(PERF),
     "reward_model.model.use_fused_kernels": _ignore(PERF),
-    "reward_model.reward_manager": _convert(_reward_manager, "naive, batch, dapo and prime"),
+    "reward_model.reward_manager": _convert(reward_manager, "naive, batch, dapo and prime"),
     "reward_model.reward_loop_source": _ignore("one reward manager"),
     "reward_model.reward_loop_module_path": _refuse("one reward manager", "custom_reward_function.path", None),
     "reward_model.reward_loop_class_name": _refuse("one reward manager", "custom_reward_function.name", None),
@@ -353,7 +288,7 @@ KEYS: dict[str, Rule] = {
     "reward_model.num_workers": _rename("reward.num_workers"),
     "reward_model.rollout.*": _ignore("the reward model runs in tinyzero's FSDP workers, not a served engine"),
     "reward_manager.source": _refuse("one reward manager", "reward_manager.source=register", "register"),
-    "reward_manager.name": _convert(_reward_manager, "naive, batch, dapo and prime"),
+    "reward_manager.name": _convert(reward_manager, "naive, batch, dapo and prime"),
     "reward_manager.module.*": _refuse("one reward manager", "custom_reward_function.path", None,
                                        "custom_reward_manager"),
     # ---- algorithm
@@ -373,9 +308,9 @@ for _role in (ACTOR, "critic"):
         f"{_role}.optim.optimizer_impl": _refuse("tinyzero's optimizer is torch.optim.AdamW",
                                                  f"{_role}.optim.implementation", "torch.optim"),
         f"{_role}.optim.clip_grad": _rename(f"{_role}.grad_clip"),
-        f"{_role}.optim.lr_scheduler_type": _convert(_unless_null(f"{_role}.optim.warmup_style"),
+        f"{_role}.optim.lr_scheduler_type": _convert(unless_null(f"{_role}.optim.warmup_style"),
                                                      "optim.warmup_style"),
-        f"{_role}.optim.warmup_style": _convert(_unless_null(f"{_role}.optim.warmup_style"),
+        f"{_role}.optim.warmup_style": _convert(unless_null(f"{_role}.optim.warmup_style"),
                                                 "null: optim.lr_scheduler_type decides"),
         f"{_role}.optim.override_optimizer_config": _refuse("AdamW takes the optim section's settings",
                                                             f"{_role}.optim.betas / weight_decay", None, {}),
@@ -391,8 +326,8 @@ for _role, _model in ((ACTOR, MODEL), (REF, None), ("critic", "critic.model"), (
         f"{_fsdp}.entropy_checkpointing": _ignore(PERF),
         f"{_fsdp}.use_torch_compile": _ignore(PERF),
         f"{_fsdp}.forward_only": _ignore(FOLLOWS + " (from the role)"),
-        f"{_fsdp}.strategy": _convert(_strategy(_role), "FSDP2"),
-        f"{_fsdp}.dtype": _convert(_dtype_to(f"{_fsdp}.mixed_precision.param_dtype"),
+        f"{_fsdp}.strategy": _convert(strategy(_role), "FSDP2"),
+        f"{_fsdp}.dtype": _convert(dtype_to(f"{_fsdp}.mixed_precision.param_dtype"),
                                    "the compute dtype: fsdp_config.mixed_precision.param_dtype"),
         f"{_fsdp}.ulysses_sequence_parallel_size": (
             _rename(f"{_role}.ulysses_sequence_parallel_size") if _role != "reward_model" else
@@ -502,4 +437,4 @@ def resolve_key(path: str, value: Any) -> list[tuple[str, Any]]:
         return []
     if _matches(value, rule.accept):
         return []
-    raise _error(f"{path}={_short(value)} is not supported: {rule.why}; nearest supported setting: {rule.nearest}")
+    raise config_error(f"{path}={_short(value)} is not supported: {rule.why}; nearest supported setting: {rule.nearest}")
